@@ -1,0 +1,81 @@
+"""The one wrapper every entry point uses: compose the config, run, map errors to exit statuses.
+
+`python -m ftcore.X [overrides]` -> `main(task, argv)`:
+- `--cfg job` prints the composed config and exits; `-h/--help` prints usage;
+- FtcoreError -> one line on stderr, exit 2 (no traceback);
+- StopRequested -> exit 3 (checkpoint saved, requeue me);
+- anything else -> traceback, exit 1 (a crash, not requeued).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
+from omegaconf import DictConfig
+
+from ftcore.errors import EXIT_OK, EXIT_REQUEUE, EXIT_USER_ERROR, FtcoreError, StopRequested
+
+log = logging.getLogger("ftcore")
+
+
+def setup_logging() -> None:
+    """Plain log lines on stderr; rank-prefixed when several ranks share a terminal."""
+    rank = os.environ.get("RANK")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    prefix = f"[rank{rank}] " if rank is not None and world > 1 else ""
+    level = os.environ.get("FTCORE_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(
+        level=level, format=f"%(asctime)s {prefix}%(message)s", datefmt="%H:%M:%S", force=True
+    )
+    for noisy in ("megatron", "torch.distributed", "datasets", "transformers", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+USAGE = """usage: python -m ftcore.{name} [+exp=NAME] [key=value ...] [--cfg job]
+
+Overrides use Hydra syntax: `parallel.tp=2`, `model=llama3_8b`, `+exp=tiny_lora`.
+`--cfg job` prints the composed config and exits. See README.md for every section."""
+
+
+def main(name: str, task: Callable[[DictConfig], int | None], argv: list[str] | None = None) -> int:
+    """Run `task(cfg)` with the exit-status contract of DESIGN.md; returns the exit status."""
+    from ftcore.config import compose, to_yaml
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    setup_logging()
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE.format(name=name))
+        return EXIT_OK
+    print_cfg = False
+    if "--cfg" in argv:
+        i = argv.index("--cfg")
+        print_cfg = True
+        del argv[i : i + 2 if i + 1 < len(argv) and not argv[i + 1].count("=") else i + 1]
+    try:
+        cfg = compose(argv)
+        if print_cfg:
+            print(to_yaml(cfg), end="")
+            return EXIT_OK
+        status = task(cfg)
+        return EXIT_OK if status is None else int(status)
+    except FtcoreError as e:
+        print(f"ftcore error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    except StopRequested as e:
+        log.warning(str(e))
+        return EXIT_REQUEUE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        traceback.print_exc()
+        return 1
+
+
+def run(name: str, task: Callable[[DictConfig], int | None]) -> None:
+    """`python -m` entry: exit with main()'s status."""
+    sys.exit(main(name, task))

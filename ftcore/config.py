@@ -1,0 +1,304 @@
+"""The config schema (one dataclass per section of DESIGN.md) and how a run's config is composed.
+
+Hydra merges the YAML files of `conf/` into these dataclasses, so an unknown key or a wrong type
+fails at compose time with the key's name. `compose()` maps Hydra's errors to FtcoreError (exit 2).
+Semantic checks live in `ftcore.validate`, which runs them in the pinned order.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from ftcore.errors import FtcoreError
+
+
+def conf_dir() -> Path:
+    """The conf/ directory, shipped inside the installed package as `ftcore.conf`."""
+    return Path(str(importlib.resources.files("ftcore.conf")))
+
+
+def assets_dir() -> Path:
+    return Path(str(importlib.resources.files("ftcore.assets")))
+
+
+@dataclass
+class RunConfig:
+    exp: str = "default"  # set by each exp/ file; names the output directory
+    dir: Optional[str] = None  # default outputs/<exp>/<job id or timestamp>, decided once by rank 0
+    seed: int = 1234
+    max_time: Optional[float] = None  # minutes; stop, save and exit 3 when reached
+    stop_file: Optional[str] = None  # default <run.dir>/STOP: a launcher asks the ranks to stop
+
+
+@dataclass
+class LauncherConfig:
+    nproc_per_node: int = 1
+    threads_per_rank: Optional[int] = None  # CPU: torch threads per worker (default cores / workers)
+
+
+@dataclass
+class RopeScalingConfig:
+    """Llama 3 rope scaling (`rope_type: llama3` in HF config.json)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    hf_path: Optional[str] = None  # a local HF directory: shapes, weights and tokenizer come from it
+    tokenizer: Optional[str] = None  # a tokenizer directory; default: hf_path, else the bundled one
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    ffn_hidden_size: int = MISSING
+    num_attention_heads: int = MISSING
+    num_query_groups: int = MISSING  # kv heads (GQA)
+    kv_channels: Optional[int] = None  # head dim; default hidden / heads
+    vocab_size: int = MISSING
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScalingConfig] = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    init_path: Optional[str] = None  # a safetensors base shipped in assets (tiny_lora's pretrained base)
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    vp: int = 1  # virtual stages per pipeline rank (1 = no interleaving)
+    cp: int = 1
+    sp: bool = False  # sequence parallel, only with tp > 1
+    distributed_optimizer: bool = False
+    recompute: str = "none"  # none | selective | full
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    global_batch_size: int = 16
+    micro_batch_size: int = 2
+    grad_clip: float = 1.0
+    skip_bad_steps: int = 0  # NaN/Inf steps skipped (not applied) before the run stops
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adam | adamw
+    lr: float = 3e-4
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+
+
+@dataclass
+class SchedConfig:
+    name: str = "cosine"  # cosine | linear | constant
+    warmup_steps: int = 10
+    min_lr: float = 0.0
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 0  # steps; 0 = off
+    iters: int = 4  # validation batches (of train.global_batch_size) per evaluation
+    output: Optional[str] = None  # ftcore.eval's JSON; default <run.dir>/eval.json
+    accuracy: bool = False  # exact-match accuracy for instruction data
+    max_samples: Optional[int] = None
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # steps; 0 = off
+    keep: int = 2
+    resume: str = "auto"  # auto | never | PATH
+    save_at_end: bool = True
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "disabled"  # disabled | offline | online
+    project: str = "ftcore"
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    log_interval: int = 1
+    progress: str = "auto"  # auto | bar | lines
+
+
+@dataclass
+class PeftConfig:
+    name: str = "none"  # none | lora | qlora
+    r: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["linear_qkv"])
+    use_rslora: bool = False
+    adapter_path: Optional[str] = None
+    double_quant: bool = True  # qlora: quantise the NF4 absmax constants too
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"
+    params_dtype: str = "fp32"  # fp32 | bf16: compute and parameter dtype of the base
+    fp8_recipe: Optional[str] = None  # delayed | tensorwise | blockwise | mxfp8
+    fp4_recipe: Optional[str] = None  # nvfp4
+    first_last_bf16_layers: int = 0  # keep this many layers at each end in BF16
+    fp8_param_gather: bool = False
+    fp8_attention: bool = False  # FP8 for the attention core (dot product attention)
+    fp8_amax_history_len: int = 1024
+    fp8_amax_compute_algo: str = "max"
+    fp8_margin: int = 0
+
+
+@dataclass
+class DataMixEntry:
+    path: str = MISSING
+    weight: float = 1.0
+    format: Optional[str] = None
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = None  # JSONL/JSON/Parquet file or directory; default: the bundled sample
+    format: str = "instruction"  # instruction | chat | text
+    seq_len: int = 256
+    packing: bool = False
+    truncate: str = "right"  # right | drop
+    on_bad_record: str = "error"  # error | skip
+    chat_template: Optional[str] = None  # llama3 | chatml | PATH; default: the tokenizer's own
+    train_on_prompt: bool = False
+    val_path: Optional[str] = None
+    val_fraction: float = 0.0
+    cache_dir: Optional[str] = None  # default ~/.cache/ftcore/data
+    mix: list[DataMixEntry] = field(default_factory=list)
+    max_samples: Optional[int] = None
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local_cpu"
+    num_gpus: Optional[int] = None  # total devices; null = the processes launched
+    gpus_per_node: int = 1
+    gpu_mem_gib: float = 24.0
+    device: str = "cpu"  # cpu | cuda
+    compute_capability: Optional[float] = None  # 9.0 (H100/H200), 10.0 (B200/GB200), 10.3 (GB300)
+    peak_tflops: dict[str, float] = field(default_factory=dict)  # dense per precision: bf16, fp8, fp4
+    matmul_efficiency: float = 0.7  # achievable fraction of peak on large GEMMs
+    nvlink_domain: int = 1  # GPUs per NVLink domain
+    nvlink_gbps: float = 0.0  # GB/s per GPU, one direction
+    network_gbps: float = 0.0  # GB/s per GPU across nodes
+    reserve_gib: float = 0.0  # framework / allocator reserve per GPU
+    step_overhead_s: float = 0.0  # fixed per-step cost (launch, Python)
+
+
+@dataclass
+class PlanConfig:
+    format: str = "table"  # table | json
+    search: bool = False
+    enforce: bool = True
+    top: int = 10
+
+
+@dataclass
+class ExportConfig:
+    checkpoint: Optional[str] = None
+    output: Optional[str] = None
+    merge: bool = False
+    dtype: Optional[str] = None  # output dtype; default the checkpoint's
+
+
+@dataclass
+class GenerateConfig:
+    prompt: Optional[str] = None
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0
+
+
+@dataclass
+class BenchConfig:
+    name: str = "none"
+    warmup_steps: int = 2
+    measure_steps: int = 5
+    runs: list[Any] = field(default_factory=list)  # each: a list of Hydra overrides or a dict
+
+
+@dataclass
+class FtcoreConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+
+
+def _register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="ftcore_schema", node=FtcoreConfig)
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """Compose conf/config.yaml with command-line overrides; Hydra errors become FtcoreError."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    _register_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        raise FtcoreError(_one_line_hydra_error(e), fix="check the key and value against conf/") from e
+    finally:
+        GlobalHydra.instance().clear()
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def _one_line_hydra_error(e: BaseException) -> str:
+    """Hydra's errors span many lines; keep the key and the reason on one."""
+    while e.__cause__ is not None and not getattr(e, "full_key", None):
+        e = e.__cause__
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()] or [type(e).__name__]
+    key = getattr(e, "full_key", None)
+    msg = lines[0]
+    if "Could not find" in msg:
+        options = [ln for ln in lines[2:] if not ln.startswith(("Config search", "provider="))]
+        msg += f" (options: {', '.join(options)})" if options else ""
+    return f"{key}: {msg}" if key else f"config error: {msg}"
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg)
