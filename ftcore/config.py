@@ -156,6 +156,7 @@ class PrecisionConfig:
     params_dtype: str = "fp32"  # fp32 | bf16: compute and parameter dtype of the base
     fp8_recipe: Optional[str] = None  # delayed | tensorwise | blockwise | mxfp8
     fp4_recipe: Optional[str] = None  # nvfp4
+    fp8_format: Optional[str] = None  # e4m3 | hybrid (E5M2 grads); default per recipe (ftcore.precision)
     first_last_bf16_layers: int = 0  # keep this many layers at each end in BF16
     fp8_param_gather: bool = False
     fp8_attention: bool = False  # FP8 for the attention core (dot product attention)

@@ -1,0 +1,541 @@
+"""Precision recipes: the `precision` config -> megatron TransformerConfig fields, Transformer Engine
+(TE) recipes, the hardware check, the layer spec and the autocast contexts.
+
+FP8/FP4 GEMMs run only through TE on a CUDA GPU. megatron-core's TransformerBlock enters the TE
+autocast itself, per layer (so `first_last_bf16_layers` can leave the outer layers in BF16); ftcore
+only maps the config onto TransformerConfig, builds with TE's layer spec and checks the hardware.
+Nothing here imports TE unless CUDA is in use: on CPU TE cannot even be imported, yet every
+mapping and check below is testable there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig
+
+from ftcore.errors import FtcoreError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FP8_FORMATS = ("e4m3", "hybrid")  # megatron's names; TE's Format.E4M3 / Format.HYBRID
+AMAX_ALGOS = ("max", "most_recent")
+
+
+@dataclass(frozen=True)
+class RecipeInfo:
+    """What a TE recipe needs. `min_cc`/`max_cc` are CUDA compute capabilities (max exclusive)."""
+
+    te_class: str  # class in transformer_engine.common.recipe
+    kind: str  # fp8 | fp4
+    min_te: str  # first TE version megatron-core 0.16 builds this recipe with
+    min_cc: float
+    max_cc: Optional[float] = None
+    min_cuda: Optional[float] = None  # CUDA toolkit torch was built with
+    fmt: Optional[str] = None  # default FP8 format (megatron name)
+    hardware: str = ""
+
+
+# Keyed by megatron's recipe names (TransformerConfig.fp8_recipe / fp4_recipe).
+RECIPES: dict[str, RecipeInfo] = {
+    "delayed": RecipeInfo(
+        "DelayedScaling",
+        "fp8",
+        "2.0",
+        8.9,
+        fmt="hybrid",
+        hardware="compute capability >= 8.9 (Ada, Hopper, Blackwell)",
+    ),
+    "tensorwise": RecipeInfo(
+        "Float8CurrentScaling",
+        "fp8",
+        "2.2.0.dev0",
+        8.9,
+        fmt="hybrid",
+        hardware="compute capability >= 8.9 (Ada, Hopper, Blackwell)",
+    ),
+    "blockwise": RecipeInfo(
+        "Float8BlockScaling",
+        "fp8",
+        "2.3.0.dev0",
+        9.0,
+        min_cuda=12.9,
+        fmt="e4m3",
+        hardware="compute capability >= 9.0 (Hopper, Blackwell) and CUDA >= 12.9",
+    ),
+    "mxfp8": RecipeInfo(
+        "MXFP8BlockScaling",
+        "fp8",
+        "2.1.0",
+        10.0,
+        max_cc=12.0,
+        fmt="e4m3",
+        hardware="compute capability 10.x (Blackwell: B200, GB200, GB300)",
+    ),
+    "nvfp4": RecipeInfo(
+        "NVFP4BlockScaling",
+        "fp4",
+        "2.7.0.dev0",
+        10.0,
+        hardware="compute capability >= 10.0 (Blackwell: B200, GB200, GB300)",
+    ),
+}
+# Precision options tried, in order, as "what would run instead" on a device that lacks one.
+FALLBACKS = (("fp8_cs", "tensorwise"), ("fp8_delayed", "delayed"), ("bf16", None))
+# Smallest GEMM dimension multiple TE accepts per kind (tokens, features).
+ALIGN = {"fp8": (8, 16), "mxfp8": (32, 32), "fp4": (32, 32)}
+
+
+def recipe_name(cfg: DictConfig) -> Optional[str]:
+    """megatron's recipe name (delayed, tensorwise, blockwise, mxfp8, nvfp4) or None (fp32/bf16)."""
+    p = cfg.precision
+    return p.fp8_recipe or p.fp4_recipe or None
+
+
+def is_quantized(cfg: DictConfig) -> bool:
+    """True when base GEMMs run in FP8 or FP4."""
+    return recipe_name(cfg) is not None
+
+
+def fp8_format(cfg: DictConfig) -> Optional[str]:
+    """The FP8 format: precision.fp8_format, else the recipe's default (None without FP8)."""
+    name = cfg.precision.fp8_recipe
+    if not name:
+        return None
+    return cfg.precision.get("fp8_format") or RECIPES[name].fmt
+
+
+# ---------------------------------------------------------------- config -> TransformerConfig
+
+
+def transformer_config_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """The precision fields of megatron's TransformerConfig for this config."""
+    p = cfg.precision
+    dtype = DTYPES[p.params_dtype]
+    n = p.first_last_bf16_layers
+    kw: dict[str, Any] = {
+        "params_dtype": dtype,
+        "pipeline_dtype": dtype,
+        "bf16": dtype == torch.bfloat16,
+        "fp16": False,
+        "fp8": None,
+        "fp8_param": False,
+        "fp4": None,
+        "fp4_param": False,
+        "fp8_dot_product_attention": False,
+        "first_last_layers_bf16": n > 0,
+        "num_layers_at_start_in_bf16": n,
+        "num_layers_at_end_in_bf16": n,
+    }
+    if p.fp8_recipe:
+        kw.update(
+            fp8=fp8_format(cfg),
+            fp8_recipe=p.fp8_recipe,
+            fp8_param=p.fp8_param_gather,
+            fp8_dot_product_attention=p.fp8_attention,
+            fp8_margin=p.fp8_margin,
+            fp8_amax_history_len=p.fp8_amax_history_len,
+            fp8_amax_compute_algo=p.fp8_amax_compute_algo,
+        )
+    elif p.fp4_recipe:
+        kw.update(fp4="e2m1", fp4_recipe=p.fp4_recipe, fp4_param=p.fp8_param_gather)
+    return kw
+
+
+def ddp_config_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """Fields for megatron's DistributedDataParallelConfig: gather FP8/FP4 params, not BF16 ones."""
+    return {"fp8_param_gather": bool(is_quantized(cfg) and cfg.precision.fp8_param_gather)}
+
+
+def te_recipe_spec(cfg: DictConfig) -> Optional[tuple[str, dict[str, Any]]]:
+    """(TE recipe class name, constructor kwargs) for this config, or None without FP8/FP4.
+
+    Formats are given by name ("HYBRID", "E4M3") so this is testable without TE."""
+    name = recipe_name(cfg)
+    if name is None:
+        return None
+    p, info = cfg.precision, RECIPES[name]
+    if info.kind == "fp4":
+        return info.te_class, {}  # E2M1 data, E4M3 block scales: TE's NVFP4 defaults
+    kw: dict[str, Any] = {"fp8_format": fp8_format(cfg).upper()}
+    if name == "delayed":
+        kw.update(
+            margin=p.fp8_margin,
+            amax_history_len=p.fp8_amax_history_len,
+            amax_compute_algo=p.fp8_amax_compute_algo,
+            fp8_dpa=p.fp8_attention,
+        )
+    elif name == "tensorwise":
+        kw.update(fp8_dpa=p.fp8_attention)
+    return info.te_class, kw
+
+
+def te_recipe(cfg: DictConfig):
+    """The Transformer Engine recipe object (needs TE), or None without FP8/FP4."""
+    spec = te_recipe_spec(cfg)
+    if spec is None:
+        return None
+    from transformer_engine.common import recipe as te_recipes
+
+    cls_name, kw = spec
+    if "fp8_format" in kw:
+        kw = dict(kw, fp8_format=getattr(te_recipes.Format, kw["fp8_format"]))
+    return getattr(te_recipes, cls_name)(**kw)
+
+
+# ---------------------------------------------------------------- checks
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Device-independent rules of the precision section (also run by check_hardware)."""
+    p = cfg.precision
+    if p.params_dtype not in DTYPES:
+        raise FtcoreError(
+            f"{p.params_dtype!r} is not one of fp32, bf16", field="precision.params_dtype"
+        )
+    if p.fp8_recipe and p.fp4_recipe:
+        raise FtcoreError(
+            "set fp8_recipe or fp4_recipe, not both",
+            field="precision",
+            fix="pick one option: precision=fp8_cs, precision=nvfp4, ...",
+        )
+    if p.fp8_recipe and (p.fp8_recipe not in RECIPES or RECIPES[p.fp8_recipe].kind != "fp8"):
+        raise FtcoreError(
+            f"{p.fp8_recipe!r} is not one of delayed, tensorwise, blockwise, mxfp8",
+            field="precision.fp8_recipe",
+        )
+    if p.fp4_recipe and p.fp4_recipe != "nvfp4":
+        raise FtcoreError(f"{p.fp4_recipe!r} is not nvfp4", field="precision.fp4_recipe")
+    if p.get("fp8_format") not in (None, *FP8_FORMATS):
+        raise FtcoreError(
+            f"{p.fp8_format!r} is not one of e4m3, hybrid", field="precision.fp8_format"
+        )
+    if p.fp8_amax_compute_algo not in AMAX_ALGOS:
+        raise FtcoreError(
+            f"{p.fp8_amax_compute_algo!r} is not one of max, most_recent",
+            field="precision.fp8_amax_compute_algo",
+        )
+    name = recipe_name(cfg)
+    if name is None:
+        for key in ("fp8_param_gather", "fp8_attention"):
+            if p[key]:
+                raise FtcoreError(
+                    f"{p.name} has no FP8/FP4 GEMMs",
+                    field=f"precision.{key}",
+                    fix=f"set precision.{key}=false or pick an FP8/FP4 precision",
+                )
+        if p.first_last_bf16_layers:
+            raise FtcoreError(
+                f"{p.name} has no FP8/FP4 layers to keep in BF16",
+                field="precision.first_last_bf16_layers",
+                fix="set it to 0",
+            )
+        return
+    if p.params_dtype != "bf16":
+        raise FtcoreError(
+            f"{p.name} keeps its high-precision weights in BF16",
+            field="precision.params_dtype",
+            fix="set precision.params_dtype=bf16",
+        )
+    if p.fp8_attention and name not in ("delayed", "tensorwise"):
+        raise FtcoreError(
+            f"FP8 attention is supported with delayed or tensorwise scaling, not {name}",
+            field="precision.fp8_attention",
+            fix="set precision.fp8_attention=false or use precision=fp8_cs",
+        )
+    _check_first_last(cfg, name)
+    _check_alignment(cfg, name)
+
+
+def _check_first_last(cfg: DictConfig, name: str) -> None:
+    n, layers, pp = cfg.precision.first_last_bf16_layers, cfg.model.num_layers, cfg.parallel.pp
+    field = "precision.first_last_bf16_layers"
+    if n < 0:
+        raise FtcoreError(f"must be >= 0, got {n}", field=field)
+    if n == 0:
+        return
+    if name == "delayed":
+        raise FtcoreError(
+            "delayed scaling shares one amax history across the model and cannot leave layers in BF16",
+            field=field,
+            fix="set it to 0, or use precision=fp8_cs (current scaling)",
+        )
+    if 2 * n >= layers:
+        raise FtcoreError(
+            f"{n} BF16 layers at each end leave none of {layers} in {name}",
+            field=field,
+            fix="use a smaller number, or precision=bf16",
+        )
+    if n > layers // pp:
+        raise FtcoreError(
+            f"{n} is more than the {layers // pp} layers of one pipeline stage",
+            field=field,
+            fix=f"use at most {layers // pp}",
+        )
+
+
+def _check_alignment(cfg: DictConfig, name: str) -> None:
+    """TE's FP8/FP4 GEMMs need every GEMM dimension to be a multiple of a small number."""
+    kind = "mxfp8" if name == "mxfp8" else RECIPES[name].kind
+    tok_align, feat_align = ALIGN[kind]
+    m, par, d = cfg.model, cfg.parallel, cfg.data
+    kv = m.kv_channels or m.hidden_size // m.num_attention_heads
+    tp = par.tp
+    feats = {
+        "model.hidden_size": m.hidden_size,
+        "model.ffn_hidden_size (per TP rank)": m.ffn_hidden_size // tp,
+        "model.num_attention_heads x kv_channels (per TP rank)": m.num_attention_heads * kv // tp,
+    }
+    for what, size in feats.items():
+        if size % feat_align:
+            raise FtcoreError(
+                f"{what}={size} is not a multiple of {feat_align}, which {name} GEMMs need",
+                field="precision",
+                fix="use precision=bf16 for this model shape",
+            )
+    tokens = cfg.train.micro_batch_size * d.seq_len // par.cp // (tp if par.sp else 1)
+    if tokens % tok_align:
+        raise FtcoreError(
+            f"a micro-batch holds {tokens} tokens per rank, not a multiple of {tok_align} as {name} needs",
+            field="data.seq_len",
+            fix=f"make micro_batch_size*seq_len a multiple of {tok_align * par.cp * (tp if par.sp else 1)}",
+        )
+
+
+def runs_on_cuda(cfg: DictConfig) -> bool:
+    """The same rule as the runtime's: CUDA when a GPU is visible and cluster.device is not cpu."""
+    return torch.cuda.is_available() and cfg.cluster.device != "cpu"
+
+
+def supported_on(name: str, cc: float, cuda: Optional[float] = None) -> tuple[bool, str]:
+    """Whether recipe `name` runs on compute capability `cc` (and CUDA toolkit `cuda`); why not."""
+    info = RECIPES[name]
+    if cc < info.min_cc or (info.max_cc is not None and cc >= info.max_cc):
+        return False, f"needs {info.hardware}; this GPU has compute capability {cc:.1f}"
+    if info.min_cuda is not None and cuda is not None and cuda < info.min_cuda:
+        return False, f"needs {info.hardware}; torch was built with CUDA {cuda}"
+    return True, ""
+
+
+def fallback(cc: Optional[float], exclude: str, cuda: Optional[float] = None) -> str:
+    """The precision option that would run instead: the first FP8 one the device runs, else BF16."""
+    if cc is None:
+        return "bf16 or fp32"
+    for option, name in FALLBACKS:
+        if option == exclude:
+            continue
+        if name is None:
+            return option if cc >= 8.0 else "fp32"
+        if supported_on(name, cc, cuda)[0]:
+            return option
+    return "bf16"
+
+
+def check_hardware(cfg: DictConfig) -> None:
+    """Refuse a precision this machine cannot run, naming what it needs and what would run instead."""
+    check_config(cfg)
+    p, name = cfg.precision, recipe_name(cfg)
+    if name is not None and cfg.peft.name == "qlora":
+        raise FtcoreError(
+            "QLoRA keeps the frozen base in NF4 (bitsandbytes), so its GEMMs cannot also be "
+            f"{RECIPES[name].kind.upper()}",
+            field="precision",
+            fix=f"use peft=lora with precision={p.name}, or peft=qlora with precision=bf16",
+        )
+    on_cuda = runs_on_cuda(cfg)
+    if name is None:
+        if on_cuda and p.params_dtype == "bf16" and _capability() < 8.0:
+            raise FtcoreError(
+                f"BF16 needs compute capability >= 8.0; this GPU has {_capability():.1f}",
+                field="precision",
+                fix="use precision=fp32",
+            )
+        return
+    info = RECIPES[name]
+    if not on_cuda:
+        where = (
+            "no CUDA device is visible"
+            if not torch.cuda.is_available()
+            else "cluster.device=cpu runs this job on CPU"
+        )
+        raise FtcoreError(
+            f"{p.name} runs its GEMMs in {info.kind.upper()} (Transformer Engine {info.te_class}) "
+            f"and needs a CUDA GPU of {info.hardware}, but {where}",
+            field="precision",
+            fix=f"on CPU use precision=bf16 or precision=fp32 (ftcore.plan still plans {p.name} jobs)",
+        )
+    cc, cuda = _capability(), _cuda_version()
+    ok, why = supported_on(name, cc, cuda)
+    if not ok:
+        raise FtcoreError(
+            f"{p.name} {why}",
+            field="precision",
+            fix=f"use precision={fallback(cc, p.name, cuda)} on this GPU",
+        )
+    version = te_version()
+    if version is None:
+        raise FtcoreError(
+            f"{p.name} needs Transformer Engine, which is not installed",
+            field="precision",
+            fix="pip install 'ftcore[gpu]' (or use the NGC PyTorch image), or precision=bf16",
+        )
+    if _older(version, info.min_te):
+        raise FtcoreError(
+            f"{p.name} ({info.te_class}) needs Transformer Engine >= {info.min_te}; "
+            f"{version} is installed",
+            field="precision",
+            fix=f"upgrade transformer-engine, or use precision={fallback(cc, p.name, cuda)}",
+        )
+    ok, why = te_supports(name)
+    if not ok:
+        raise FtcoreError(
+            f"{p.name}: Transformer Engine says {why}",
+            field="precision",
+            fix=f"use precision={fallback(cc, p.name, cuda)} on this GPU",
+        )
+
+
+def check_merge(cfg: DictConfig) -> None:
+    """Refuse merging LoRA adapters into a base whose GEMMs run in FP8/FP4.
+
+    The trained model computes Q(W)x + BAx with the adapter in BF16. Merged, it would compute
+    Q(W + BA)x: the update BA is typically far below the FP8/FP4 step at W's magnitude (E4M3 keeps
+    3 mantissa bits, E2M1 one), so it rounds away and the merged model loses the fine-tuning."""
+    name = recipe_name(cfg)
+    if name is None:
+        return
+    fmt = "FP4 (E2M1)" if RECIPES[name].kind == "fp4" else "FP8"
+    raise FtcoreError(
+        f"merging the adapter into a {fmt} base ({cfg.precision.name}) is refused: the low-rank "
+        f"update is smaller than the {fmt} rounding step of the base weights and would round away",
+        field="export.merge",
+        fix="export the adapter alone (export.merge=false) and serve base + adapter, or merge for a "
+        "BF16 deployment with precision=bf16",
+    )
+
+
+# ---------------------------------------------------------------- TE and the device
+
+
+def _capability() -> float:
+    major, minor = torch.cuda.get_device_capability()
+    return major + minor / 10
+
+
+def _cuda_version() -> Optional[float]:
+    try:
+        return float(torch.version.cuda) if torch.version.cuda else None
+    except ValueError:
+        return None
+
+
+def _older(version: str, minimum: str) -> bool:
+    from packaging.version import Version
+
+    return Version(version) < Version(minimum)
+
+
+@functools.lru_cache(maxsize=1)
+def _te():
+    """transformer_engine.pytorch, or None: never imported without CUDA (it fails there)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        import transformer_engine.pytorch as te_pytorch
+    except Exception:  # ImportError, or OSError from missing CUDA libraries
+        return None
+    return te_pytorch
+
+
+def te_version() -> Optional[str]:
+    """The installed Transformer Engine version, or None when it cannot be used here."""
+    if _te() is None:
+        return None
+    import transformer_engine
+
+    return str(getattr(transformer_engine, "__version__", "0"))
+
+
+def te_supports(name: str) -> tuple[bool, str]:
+    """TE's own verdict on this device (it also knows cuBLAS and CUDA versions)."""
+    te = _te()
+    probe = {
+        "delayed": "is_fp8_available",
+        "tensorwise": "is_fp8_available",
+        "blockwise": "is_fp8_block_scaling_available",
+        "mxfp8": "is_mxfp8_available",
+        "nvfp4": "is_nvfp4_available",
+    }[name]
+    fn = getattr(te, probe, None)
+    if fn is not None:
+        ok, why = fn(return_reason=True)
+        return bool(ok), why
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager  # TE < 2.9
+
+    fn = getattr(FP8GlobalStateManager, probe, None)
+    if fn is None:
+        return False, f"this version has no {RECIPES[name].te_class}"
+    ok, why = fn()
+    return bool(ok), why
+
+
+def use_te(cfg: DictConfig) -> bool:
+    """Build with TE layers: on CUDA when TE is installed. QLoRA keeps megatron's local layers,
+    whose plain weights bitsandbytes quantises to NF4."""
+    return runs_on_cuda(cfg) and cfg.peft.name != "qlora" and _te() is not None
+
+
+def layer_spec(cfg: DictConfig):
+    """megatron's TE layer spec on GPU (required for FP8/FP4); None means: use the local spec."""
+    if not use_te(cfg):
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return get_gpt_layer_with_transformer_engine_spec(num_experts=None, qk_layernorm=False)
+
+
+def _autocast(te, enabled: bool, recipe=None, group=None):
+    if hasattr(te, "autocast"):  # TE >= 2.9; fp8_autocast is deprecated there
+        return te.autocast(enabled=enabled, recipe=recipe, amax_reduction_group=group)
+    return te.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=group)
+
+
+@contextlib.contextmanager
+def adapter_autocast_off():
+    """Run the enclosed (LoRA adapter) GEMMs in BF16 even inside an FP8/FP4 autocast; no-op
+    without TE. Adapters are small, so their FP8 speed-up is nil and their updates need BF16."""
+    te = _te()
+    if te is None:
+        yield
+        return
+    with _autocast(te, enabled=False):
+        yield
+
+
+def high_precision(x: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for adapter GEMMs: dequantise TE's FP8/FP4 tensors, pass others through."""
+    if _te() is None:
+        return x
+    from transformer_engine.pytorch.tensor import QuantizedTensor
+
+    return x.dequantize() if isinstance(x, QuantizedTensor) else x
+
+
+@contextlib.contextmanager
+def autocast(cfg: DictConfig):
+    """The config's FP8/FP4 autocast for TE modules used outside megatron's TransformerBlock (which
+    enters its own per layer); a no-op for fp32/bf16 or without TE."""
+    te = _te()
+    if te is None or not is_quantized(cfg):
+        yield
+        return
+    from megatron.core import parallel_state as ps
+
+    group = None
+    if ps.model_parallel_is_initialized():
+        group = ps.get_amax_reduction_group(with_context_parallel=True)
+    with _autocast(te, enabled=True, recipe=te_recipe(cfg), group=group):
+        yield
