@@ -33,6 +33,7 @@ class RunConfig:
     seed: int = 1234
     max_time: Optional[float] = None  # minutes; stop, save and exit 3 when reached
     stop_file: Optional[str] = None  # default <run.dir>/STOP: a launcher asks the ranks to stop
+    handle_signals: bool = True  # SIGTERM/SIGUSR1 -> save at the step boundary, exit 3
 
 
 @dataclass

@@ -1,0 +1,148 @@
+"""metrics.jsonl (DESIGN.md contract), a progress bar or plain lines, and optional wandb. Rank 0 only."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("ftcore")
+
+
+def peak_mem_gib() -> float:
+    """Peak device memory on GPU; peak resident memory of this process on CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """On resume: drop every line after `step`, so the file reads as one uninterrupted run."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            break  # a torn last line from a crash
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(ln + "\n" for ln in kept))
+    os.replace(tmp, path)
+
+
+class MetricsWriter:
+    def __init__(self, cfg, run_dir: Path, *, enabled: bool, total_steps: int, start_step: int):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.total = total_steps
+        self.log_interval = max(1, cfg.logger.log_interval)
+        self.wandb = None
+        self.bar = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        truncate_metrics(self.path, start_step)
+        self.file = open(self.path, "a")  # noqa: SIM115 - kept open for the run
+        mode = cfg.logger.progress
+        if mode == "bar" or (mode == "auto" and sys.stderr.isatty()):
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(
+                TextColumn("step {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+                transient=False,
+            )
+            self.task = self.bar.add_task("train", total=total_steps, completed=start_step, info="")
+            self.bar.start()
+        if cfg.logger.wandb.mode != "disabled":
+            self._init_wandb(cfg, run_dir)
+
+    def _init_wandb(self, cfg, run_dir: Path) -> None:
+        import wandb
+        from omegaconf import OmegaConf
+
+        id_file = run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        id_file.write_text(run_id)
+        self.wandb = wandb.init(
+            project=cfg.logger.wandb.project,
+            mode=cfg.logger.wandb.mode,
+            dir=str(run_dir),
+            id=run_id,
+            resume="allow",
+            name=f"{cfg.run.exp}/{run_dir.name}",
+            config=OmegaConf.to_container(cfg, resolve=True),
+        )
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        record = {k: (round(v, 8) if isinstance(v, float) and math.isfinite(v) else v) for k, v in record.items()}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        step = record["step"]
+        if "loss" in record:
+            info = f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s"
+            if self.bar is not None:
+                self.bar.update(self.task, completed=step, info=info)
+            elif step % self.log_interval == 0 or step == self.total:
+                log.info(
+                    "step %d/%d | loss %.4f | grad_norm %.3f | lr %.3e | %.0f tok/s | %.2f s/step",
+                    step, self.total, record["loss"], record["grad_norm"], record["lr"],
+                    record["tokens_per_s"], record["step_time_s"],
+                )  # fmt: skip
+        else:
+            log.info("step %d | eval_loss %.4f", step, record["eval_loss"])
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.stop()
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class StepTimer:
+    """step_time_s = wall time from the end of the previous step to the end of this one, minus the
+    time spent in eval and checkpoint saves (DESIGN.md)."""
+
+    def __init__(self):
+        self.last = time.perf_counter()
+        self.excluded = 0.0
+
+    def exclude(self, seconds: float) -> None:
+        self.excluded += seconds
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        dt = now - self.last - self.excluded
+        self.last, self.excluded = now, 0.0
+        return max(dt, 1e-9)
+
+
+def throughput_fields(cfg, tokens_per_s_per_gpu: float) -> dict:
+    """model TFLOP/s per GPU and MFU (against the cluster's dense BF16 peak), from the planner's
+    FLOPs-per-token model: 6N' + attention for full training, 4N' for a frozen LoRA base."""
+    from ftcore.planner.flops import model_flops_per_token
+
+    tflops = model_flops_per_token(cfg) * tokens_per_s_per_gpu / 1e12
+    peak = cfg.cluster.peak_tflops.get("bf16")
+    out = {"model_tflops_per_gpu": tflops}
+    if peak:
+        out["mfu"] = tflops / peak
+    return out

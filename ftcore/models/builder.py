@@ -1,0 +1,80 @@
+"""Build this rank's model: one megatron-core GPTModel per virtual pipeline stage."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from omegaconf import DictConfig
+
+from ftcore.models.init import init_weights
+from ftcore.models.llama import layer_spec, padded_vocab_size, transformer_config
+from ftcore.runtime import cpu
+
+
+def build_model(cfg: DictConfig, *, vocab_size: int | None = None) -> list[GPTModel]:
+    """Unwrapped GPTModel chunks of this rank, initialised layout-independently."""
+    on_cpu = cpu.is_active()
+    config = transformer_config(cfg, on_cpu=on_cpu)
+    vocab = vocab_size or cfg.model.vocab_size
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    rope = cfg.model.rope_scaling
+    chunks = []
+    with cpu.device_mode():
+        for vp_stage in range(cfg.parallel.vp):
+            chunk = GPTModel(
+                config=config,
+                transformer_layer_spec=layer_spec(
+                    cfg, config, on_cpu=on_cpu, vp_stage=vp_stage, pp_rank=pp_rank
+                ),
+                vocab_size=padded_vocab_size(vocab, tp),
+                max_sequence_length=cfg.model.max_position_embeddings,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                share_embeddings_and_output_weights=cfg.model.tie_embeddings,
+                position_embedding_type="rope",
+                rotary_base=int(cfg.model.rope_theta),
+                rope_scaling=rope is not None,
+                rope_scaling_factor=rope.factor if rope is not None else 8.0,
+                vp_stage=vp_stage if cfg.parallel.vp > 1 else None,
+            )
+            chunk.vocab_size_unpadded = vocab
+            if not on_cpu:
+                chunk.cuda(torch.cuda.current_device())
+            chunks.append(chunk)
+    init_weights(
+        chunks,
+        seed=cfg.run.seed,
+        std=cfg.model.init_std,
+        num_layers=cfg.model.num_layers,
+        vocab_size=vocab,
+        tp=tp,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+    )
+    return chunks
+
+
+def wrap_ddp(cfg: DictConfig, chunks: list[GPTModel]):
+    """megatron DDP around each chunk: contiguous grad buffers, DP reduction, distributed optimizer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.parallel.distributed_optimizer,
+        check_for_nan_in_grad=False,
+        bucket_size=None,
+    )
+    wrapped = []
+    with cpu.device_mode():
+        for i, chunk in enumerate(chunks):
+            wrapped.append(
+                DistributedDataParallel(
+                    config=chunk.config,
+                    ddp_config=ddp_config,
+                    module=chunk,
+                    disable_bucketing=i > 0,
+                )
+            )
+    return wrapped

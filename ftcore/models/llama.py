@@ -1,0 +1,106 @@
+"""Llama shapes (the `model` config group) -> megatron-core TransformerConfig and layer spec."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from omegaconf import DictConfig
+
+from ftcore.models.norm import RMSNorm
+from ftcore.planner.layers import split_layers
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    """Megatron needs the vocab to divide by TP; pad to a multiple of 128·tp like megatron does."""
+    m = multiple * tp
+    return ((vocab_size + m - 1) // m) * m
+
+
+def _no_init(tensor: torch.Tensor) -> None:
+    return None
+
+
+def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
+    m, p = cfg.model, cfg.parallel
+    dtype = DTYPES[cfg.precision.params_dtype]
+    kwargs = dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels or m.hidden_size // m.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=m.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=m.init_std,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vp if p.vp > 1 else None,
+        context_parallel_size=p.cp,
+        sequence_parallel=p.sp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        calculate_per_token_loss=True,  # loss = sum over target tokens / their number (DESIGN.md)
+        use_cpu_initialization=on_cpu,
+        # megatron's init runs (it marks the TP attributes of each weight) but draws nothing:
+        # ftcore initialises layout-independently afterwards (models/init.py).
+        perform_initialization=True,
+        init_method=_no_init,
+        output_layer_init_method=_no_init,
+        embedding_init_method=_no_init,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
+        deallocate_pipeline_outputs=not on_cpu,
+        # gloo matches batched isend/irecv between the same two ranks out of order (pp=2 with
+        # interleaving sends both directions to one peer); megatron's ordered p2p path is exact.
+        batch_p2p_comm=not on_cpu,
+        **split_layers(m.num_layers, p.pp, p.vp).megatron_flags(),
+    )
+    if p.recompute == "selective":
+        kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+    elif p.recompute == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if not on_cpu:
+        from ftcore import precision
+
+        kwargs.update(precision.transformer_config_kwargs(cfg))
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(cfg: DictConfig, config: TransformerConfig, *, on_cpu: bool, vp_stage, pp_rank):
+    """Local spec with an SP-capable RMSNorm on CPU; Transformer Engine's spec on GPU."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    if on_cpu:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        norm = ModuleSpec(module=RMSNorm)
+        spec.submodules.input_layernorm = norm
+        spec.submodules.pre_mlp_layernorm = norm
+    else:
+        from ftcore import precision
+
+        spec = precision.layer_spec(cfg)
+        norm = None
+    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    if norm is None:
+        return spec
+    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=norm)

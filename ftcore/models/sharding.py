@@ -1,0 +1,83 @@
+"""Global parameter names and the full-tensor <-> TP-shard mapping, shared by init, HF load and export.
+
+A parameter's *global name* is its name in an unsharded, unpipelined model
+(`decoder.layers.<global index>.mlp.linear_fc1.weight`), so it is the same under every layout.
+`take_shard` cuts this rank's slice from the full tensor the way megatron lays it out.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+_LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    global_name: str
+    full_shape: tuple[int, ...]
+    partition_dim: int | None  # None: replicated across TP ranks
+    glu: bool  # linear_fc1 with SwiGLU: gate and up halves are sharded separately
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def global_name(local_name: str, chunk: torch.nn.Module) -> str:
+    """Strip wrappers and replace the stage-local layer index by the global one."""
+    model = unwrap(chunk)
+    name = re.sub(r"^(?:module\.)+", "", local_name)
+    m = _LAYER.match(name)
+    if m:
+        layer = model.decoder.layers[int(m.group(1))]
+        name = f"decoder.layers.{layer.layer_number - 1}." + name[m.end() :]
+    return name
+
+
+def iter_params(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """(global name, parameter) for every parameter this rank holds, embedding first."""
+    for chunk in chunks:
+        for local, p in unwrap(chunk).named_parameters():
+            yield global_name(local, chunk), p
+
+
+def shard_info(name: str, param: torch.Tensor, tp: int) -> ShardInfo:
+    shape = tuple(param.shape)
+    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
+        dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+        return ShardInfo(name, shape, dim, _is_glu(name))
+    dim = param.partition_dim
+    full = list(shape)
+    full[dim] *= tp
+    return ShardInfo(name, tuple(full), dim, _is_glu(name))
+
+
+def _is_glu(name: str) -> bool:
+    return ".linear_fc1." in name and "lora" not in name and name.endswith("weight")
+
+
+def take_shard(full: torch.Tensor, info: ShardInfo, tp_rank: int, tp: int) -> torch.Tensor:
+    """This TP rank's slice of the full tensor (megatron layout)."""
+    if info.partition_dim is None or tp == 1:
+        return full
+    if info.glu and info.partition_dim == 0:
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, 0)[tp_rank], up.chunk(tp, 0)[tp_rank]], dim=0)
+    return full.chunk(tp, dim=info.partition_dim)[tp_rank]
+
+
+def join_shards(shards: list[torch.Tensor], info: ShardInfo) -> torch.Tensor:
+    """Inverse of take_shard over all TP ranks."""
+    if info.partition_dim is None or len(shards) == 1:
+        return shards[0]
+    if info.glu and info.partition_dim == 0:
+        gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
+        return torch.cat([torch.cat(gates, 0), torch.cat(ups, 0)], dim=0)
+    return torch.cat(shards, dim=info.partition_dim)

@@ -1,0 +1,55 @@
+"""megatron's optimizer over the trainable parameters, and the LR schedule."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from omegaconf import DictConfig
+
+from ftcore.errors import FtcoreError
+from ftcore.runtime import cpu
+
+
+def build_optimizer(cfg: DictConfig, model: list):
+    """Adam/AdamW (decoupled weight decay), clipping at train.grad_clip, fp32 main params."""
+    o = cfg.optim
+    if o.name not in ("adam", "adamw"):
+        raise FtcoreError(f"unknown optimizer {o.name!r}", field="optim.name", fix="adam or adamw")
+    bf16 = cfg.precision.params_dtype == "bf16"
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=cfg.sched.min_lr,
+        weight_decay=o.weight_decay,
+        decoupled_weight_decay=o.name == "adamw",
+        adam_beta1=o.betas[0],
+        adam_beta2=o.betas[1],
+        adam_eps=o.eps,
+        clip_grad=cfg.train.grad_clip,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=cfg.parallel.distributed_optimizer,
+    )
+    with cpu.device_mode():
+        return get_megatron_optimizer(config, model)
+
+
+def build_scheduler(cfg: DictConfig, optimizer) -> OptimizerParamScheduler:
+    s = cfg.sched
+    if s.name not in ("cosine", "linear", "constant"):
+        raise FtcoreError(f"unknown schedule {s.name!r}", field="sched.name", fix="cosine, linear or constant")
+    steps = cfg.train.max_steps
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if s.warmup_steps > 0 else cfg.optim.lr,
+        max_lr=cfg.optim.lr,
+        min_lr=s.min_lr,
+        lr_warmup_steps=s.warmup_steps,
+        lr_decay_steps=max(steps, s.warmup_steps + 1),
+        lr_decay_style=s.name,
+        start_wd=cfg.optim.weight_decay,
+        end_wd=cfg.optim.weight_decay,
+        wd_incr_steps=max(steps, 1),
+        wd_incr_style="constant",
+    )

@@ -1,0 +1,129 @@
+"""Run megatron-core on CPU (gloo): a test and dry-run backend, inactive whenever CUDA is used.
+
+megatron-core assumes CUDA in two ways (see shared/notes/megatron_on_cpu.md):
+1. calls into `torch.cuda` (current_device, RNG state, streams, synchronize): `activate()` replaces
+   them with CPU equivalents once per process; this costs nothing per step.
+2. literal `device="cuda"` arguments, `.cuda()` and `Tensor.type() == "torch.cuda.FloatTensor"`
+   checks: `device_mode()` is a TorchFunctionMode that rewrites them. It costs Python time on every
+   torch call, so ftcore enters it only around model/optimizer construction, the optimizer step and
+   checkpoint I/O, never around forward/backward (measured in the README).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_active = False
+_fake_cuda_gen = torch.Generator()  # stands in for the CUDA generator megatron forks and restores
+
+
+def is_active() -> bool:
+    return _active
+
+
+def _is_cuda_device(d) -> bool:
+    if isinstance(d, bool):
+        return False
+    if isinstance(d, int):
+        return True  # device=0 means cuda:0
+    if isinstance(d, str):
+        return d.startswith("cuda")
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    return False
+
+
+class _Stream:
+    """A do-nothing CUDA stream/event: CPU work is synchronous."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+class CudaOnCpuMode(TorchFunctionMode):
+    """Rewrites CUDA devices to CPU and reports CUDA type strings (megatron's grad-clip check)."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if i > 0 and _is_cuda_device(a) else a for i, a in enumerate(args))
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            t = func(*args)
+            return t.replace("torch.", "torch.cuda.", 1) if ".cuda." not in t else t
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def device_mode():
+    """Enter the rewriting mode if the CPU runtime is active; a no-op on CUDA."""
+    if not _active:
+        yield
+        return
+    with CudaOnCpuMode():
+        yield
+
+
+def activate() -> None:
+    """Redirect megatron-core's torch.cuda calls to the CPU. Idempotent; call before any build."""
+    global _active
+    if _active or torch.cuda.is_available():
+        return
+    cuda = torch.cuda
+    cuda.current_device = lambda: torch.device("cpu")
+    cuda.device_count = lambda: 1
+    cuda.set_device = lambda *a, **k: None
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    cuda.current_stream = lambda *a, **k: _Stream()
+    cuda.default_stream = lambda *a, **k: _Stream()
+    cuda.Stream = _Stream
+    cuda.Event = _Stream
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.nvtx = types.SimpleNamespace(range_push=lambda *a: None, range_pop=lambda: None)
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.reset_peak_memory_stats = lambda *a, **k: None
+
+    def get_rng_state(device=None):
+        return _fake_cuda_gen.get_state()
+
+    def set_rng_state(state, device=None):
+        _fake_cuda_gen.set_state(state)
+
+    def manual_seed(seed):
+        _fake_cuda_gen.manual_seed(int(seed))
+
+    cuda.get_rng_state = get_rng_state
+    cuda.set_rng_state = set_rng_state
+    cuda.manual_seed = manual_seed
+    cuda.manual_seed_all = manual_seed
+    cuda.random.get_rng_state = get_rng_state
+    cuda.random.set_rng_state = set_rng_state
+    cuda.random.manual_seed = manual_seed
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        get_rng_state()
+    )
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: set_rng_state(
+        new_state
+    )
+    _active = True

@@ -1,0 +1,155 @@
+"""Distributed start and stop: one process, torchrun, srun, or N local workers started here.
+
+- under torchrun (RANK/WORLD_SIZE set) or srun (SLURM_PROCID with MASTER_ADDR set): join;
+- alone with `launcher.nproc_per_node > 1`: start that many workers through torch's elastic launch
+  API (the same machinery torchrun uses) and wait for them; the first failure stops all;
+- alone with one worker: a one-process group on a free local port.
+Then megatron's parallel state (tp, pp, vp, cp; dp is whatever is left).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import sys
+import uuid
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from ftcore.errors import FtcoreError
+
+log = logging.getLogger("ftcore")
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    device: torch.device
+
+
+def under_launcher() -> bool:
+    """True when torchrun, srun or our own local launch already started this process as a rank."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return True
+    return "SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ and "SLURM_NTASKS" in os.environ
+
+
+def _env_from_slurm() -> None:
+    """srun with one task per device: map SLURM's variables onto torch's."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    os.environ["LOCAL_WORLD_SIZE"] = os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
+    os.environ.setdefault("MASTER_PORT", "29500")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local_workers(module: str, argv: list[str], nproc: int) -> int:
+    """Start `python -m module argv` as `nproc` ranks via torch's elastic launch; return the exit status.
+
+    A worker's own exit status (2 user error, 3 requeue) becomes ours; the first failure stops all.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_configs={"is_host": True},
+        max_restarts=0,
+        monitor_interval=0.2,
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-u", "-m", module, *argv)
+        return 0
+    except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values()]
+        for wanted in (2, 3):  # a user error or a requeue request is what the user must see
+            if wanted in codes:
+                return wanted
+        return next((c for c in codes if c not in (0, None)), 1) if codes else 1
+
+
+def init_distributed(cfg: DictConfig) -> DistInfo:
+    """Join or create the process group (NCCL on GPU, gloo on CPU)."""
+    _env_from_slurm()
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    use_cuda = torch.cuda.is_available() and cfg.cluster.device != "cpu"
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        threads = cfg.launcher.threads_per_rank or max(1, (os.cpu_count() or 1) // local_world)
+        torch.set_num_threads(threads)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if use_cuda else "gloo",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=int(os.environ.get("FTCORE_DIST_TIMEOUT_MIN", "30"))),
+        )
+    return DistInfo(rank, world, local_rank, local_world, device)
+
+
+def init_model_parallel(cfg: DictConfig, world: int) -> None:
+    from megatron.core import parallel_state as ps
+
+    p = cfg.parallel
+    if world % (p.tp * p.pp * p.cp):
+        raise FtcoreError(
+            f"world size {world} is not divisible by tp*pp*cp = {p.tp}*{p.pp}*{p.cp}",
+            field="parallel.tp/pp/cp",
+            fix="launch a multiple of tp*pp*cp processes",
+        )
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vp if p.vp > 1 else None,
+        context_parallel_size=p.cp,
+    )
+
+
+def broadcast_object(obj, src: int = 0):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def teardown() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,64 @@
+"""Stop requests: SIGTERM/SIGUSR1, a stop file written by a launcher, or run.max_time.
+
+Handlers only set a flag; the ranks agree at each step boundary through one all-reduce, so every
+rank saves the same step and exits 3 together. torchrun kills workers 30 s after forwarding a signal,
+too short for a big checkpoint, so SLURM scripts use the stop file (see shared/notes/local_slurm.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("ftcore")
+
+_received: list[str] = []
+_previous: dict[int, object] = {}
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def _handler(signum, frame):
+    name = signal.Signals(signum).name
+    if not _received:
+        log.warning("received %s: will save and stop at the end of this step", name)
+    _received.append(name)
+
+
+def install(cfg) -> None:
+    """Install the handlers (only if run.handle_signals); uninstall() restores the previous ones."""
+    _received.clear()
+    if not cfg.run.handle_signals:
+        return
+    for sig in SIGNALS:
+        _previous[sig] = signal.signal(sig, _handler)
+
+
+def uninstall() -> None:
+    for sig, prev in _previous.items():
+        signal.signal(sig, prev)
+    _previous.clear()
+
+
+def stop_file(cfg, run_dir: Path) -> Path:
+    return Path(cfg.run.stop_file) if cfg.run.stop_file else run_dir / "STOP"
+
+
+def stop_reason(cfg, run_dir: Path, start_time: float) -> str | None:
+    """Collective: the reason every rank agrees to stop now, or None."""
+    flags = [
+        1.0 if _received else 0.0,
+        1.0 if stop_file(cfg, run_dir).exists() else 0.0,
+        1.0 if cfg.run.max_time and time.time() - start_time >= cfg.run.max_time * 60 else 0.0,
+    ]
+    t = torch.tensor(flags)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    for flag, reason in zip(t.tolist(), ("signal " + ",".join(_received), "stop file", "run.max_time")):
+        if flag:
+            return reason
+    return None

@@ -1,0 +1,271 @@
+"""setup() builds a run in the one fixed order of DESIGN.md; fit() is the training loop."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from omegaconf import DictConfig, OmegaConf
+
+from ftcore import metrics as metrics_mod
+from ftcore.errors import FtcoreError, StopRequested
+from ftcore.runtime import cpu, dist as rdist, signals
+from ftcore.step import forward_step, microbatch_iterators
+
+log = logging.getLogger("ftcore")
+
+
+@dataclass
+class TrainState:
+    cfg: DictConfig
+    info: rdist.DistInfo
+    run_dir: Path
+    dp: int
+    tokenizer: object = None
+    model: list = field(default_factory=list)
+    optimizer: object = None
+    scheduler: object = None
+    loader: object = None
+    val_batches: list = field(default_factory=list)
+    step: int = 0
+    consumed_samples: int = 0
+    bad_steps: int = 0
+    extra: dict = field(default_factory=dict)  # things later stages attach (e.g. wandb id)
+
+
+def decide_run_dir(cfg: DictConfig) -> str:
+    """outputs/<exp>/<job id or timestamp>: decided once (rank 0, or the launching parent)."""
+    if cfg.run.dir:
+        return cfg.run.dir
+    job = os.environ.get("SLURM_JOB_ID") or time.strftime("%Y%m%d-%H%M%S")
+    return str(Path("outputs") / cfg.run.exp / job)
+
+
+def setup(cfg: DictConfig) -> TrainState:
+    from ftcore import checkpoint, validate
+    from ftcore.data.pipeline import build_train_loader, build_val_batches
+    from ftcore.models.builder import build_model, wrap_ddp
+    from ftcore.optim import build_optimizer, build_scheduler
+    from ftcore.tokenizer import load_tokenizer
+
+    # 1. HF shapes first, so every check below sees the real model.
+    if cfg.model.hf_path:
+        from ftcore.hf.config import merge_hf_config
+
+        cfg = merge_hf_config(cfg)
+    # 2. Validate in the pinned order before anything heavy exists.
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    dp = validate.validate(cfg, launched)
+    # 3. Process group (gloo on CPU), then the CPU runtime before any megatron module is built.
+    info = rdist.init_distributed(cfg)
+    if info.device.type == "cpu":
+        cpu.activate()
+    # 4. megatron's parallel state (dp is what tp·pp·cp leave) and seeds (CPU + megatron's RNG tracker).
+    rdist.init_model_parallel(cfg, info.world)
+    torch.manual_seed(cfg.run.seed)
+    with cpu.device_mode():
+        model_parallel_cuda_manual_seed(cfg.run.seed)
+    # 5. One run directory for all ranks.
+    cfg.run.dir = rdist.broadcast_object(decide_run_dir(cfg))
+    run_dir = Path(cfg.run.dir)
+    state = TrainState(cfg=cfg, info=info, run_dir=run_dir, dp=dp)
+    if info.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    # 6. Tokenizer (its vocab size is the model's unpadded vocab).
+    state.tokenizer = load_tokenizer(cfg)
+    # 7. Model: this rank's chunks, layout-independent init, then HF weights straight into the shards.
+    chunks = build_model(cfg)
+    if cfg.model.hf_path or cfg.model.init_path:
+        from ftcore.hf.io import load_weights
+
+        load_weights(cfg, chunks)
+    # 8. PEFT adapters (freezes the base) before DDP, so only adapters get grad buffers.
+    if cfg.peft.name != "none":
+        from ftcore.peft.lora import apply_peft
+
+        apply_peft(cfg, chunks)
+    # 9. megatron DDP, optimizer over trainable params, LR schedule.
+    state.model = wrap_ddp(cfg, chunks)
+    state.optimizer = build_optimizer(cfg, state.model)
+    state.scheduler = build_scheduler(cfg, state.optimizer)
+    _wire_model_config(state)
+    # 10. Data: this DP rank's shard of a layout-independent global order.
+    dp_rank = ps.get_data_parallel_rank()
+    state.loader = build_train_loader(cfg, state.tokenizer, dp_rank, dp)
+    if cfg.eval.interval > 0:
+        state.val_batches = build_val_batches(cfg, state.tokenizer, dp_rank, dp)
+    # 11. Resume (model, optimizer, schedule, data position, RNG) from checkpoints/latest.
+    checkpoint.maybe_resume(state)
+    # 12. Stop requests: signals, the stop file, run.max_time.
+    signals.install(cfg)
+    return state
+
+
+def _wire_model_config(state: TrainState) -> None:
+    """The hooks megatron's schedule calls: grad finalisation (DP/SP/embedding reductions) etc."""
+    config = state.model[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = state.optimizer.scale_loss
+    no_sync = [m.no_sync for m in state.model]
+    config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+
+
+def _reduce_sums(values: list[float], contribute: bool) -> list[float]:
+    """Sum over the whole world of the values of the ranks that contribute (others add zeros)."""
+    t = torch.tensor(values if contribute else [0.0] * len(values), dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def _is_loss_rank() -> bool:
+    return ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+
+
+def _is_data_rank() -> bool:
+    return ps.get_pipeline_model_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+
+
+def run_batches(state: TrainState, microbatches: list, *, forward_only: bool) -> tuple[float, float]:
+    """forward(+backward) of one global batch; returns (loss sum, target tokens) over the world."""
+    cfg = state.cfg
+    with cpu.device_mode():
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=microbatch_iterators(microbatches, len(state.model)),
+            model=state.model if len(state.model) > 1 else state.model[0],
+            num_microbatches=len(microbatches),
+            seq_length=cfg.data.seq_len,
+            micro_batch_size=cfg.train.micro_batch_size,
+            forward_only=forward_only,
+        )
+    local = [sum(float(o["lm"][0]) for o in out), sum(float(o["lm"][1]) for o in out)]
+    loss_sum, n = _reduce_sums(local, _is_loss_rank())
+    return loss_sum, n
+
+
+def train_step(state: TrainState) -> dict:
+    cfg = state.cfg
+    microbatches = state.loader.next_microbatches()
+    for chunk in state.model:
+        chunk.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    loss_sum, target_tokens = run_batches(state, microbatches, forward_only=False)
+    loss = loss_sum / max(target_tokens, 1.0)
+    if not math.isfinite(loss):
+        return {"loss": loss, "grad_norm": float("nan"), "skipped": True, "target_tokens": target_tokens}
+    with cpu.device_mode():
+        ok, grad_norm, _ = state.optimizer.step()
+    grad_norm = float(grad_norm) if grad_norm is not None else 0.0
+    if not ok or not math.isfinite(grad_norm):
+        return {"loss": loss, "grad_norm": grad_norm, "skipped": True, "target_tokens": target_tokens}
+    state.scheduler.step(increment=1)
+    (tokens,) = _reduce_sums([float(sum(mb.num_tokens for mb in microbatches))], _is_data_rank())
+    state.consumed_samples += cfg.train.global_batch_size
+    return {"loss": loss, "grad_norm": grad_norm, "tokens": int(tokens), "target_tokens": int(target_tokens)}
+
+
+def evaluate(state: TrainState) -> float:
+    for chunk in state.model:
+        chunk.eval()
+    total, n = 0.0, 0.0
+    with torch.no_grad():
+        for microbatches in state.val_batches[: state.cfg.eval.iters]:
+            s, c = run_batches(state, microbatches, forward_only=True)
+            total, n = total + s, n + c
+    for chunk in state.model:
+        chunk.train()
+    return total / max(n, 1.0)
+
+
+def _handle_bad_step(state: TrainState, out: dict) -> None:
+    state.bad_steps += 1
+    msg = f"non-finite loss or grad norm at step {state.step + 1} (loss={out['loss']}, grad_norm={out['grad_norm']})"
+    if state.bad_steps > state.cfg.train.skip_bad_steps:
+        raise FtcoreError(
+            msg + "; stopped without saving this state",
+            field="train",
+            fix="lower optim.lr, check the data, or allow skips with train.skip_bad_steps=K",
+        )
+    log.warning("%s: step skipped (%d/%d allowed)", msg, state.bad_steps, state.cfg.train.skip_bad_steps)
+
+
+def fit(state: TrainState) -> None:
+    from ftcore import checkpoint
+
+    cfg = state.cfg
+    rank0 = state.info.rank == 0
+    writer = metrics_mod.MetricsWriter(
+        cfg, state.run_dir, enabled=rank0, total_steps=cfg.train.max_steps, start_step=state.step
+    )
+    if state.step == 0 and rank0:
+        log.info("training %d steps (dp=%d, %d micro-batches/step/rank)", cfg.train.max_steps, state.dp,
+                 cfg.train.global_batch_size // (cfg.train.micro_batch_size * state.dp))  # fmt: skip
+    timer = metrics_mod.StepTimer()
+    start_time = time.time()
+    world = state.info.world
+    try:
+        while state.step < cfg.train.max_steps:
+            out = train_step(state)
+            if out.get("skipped"):
+                _handle_bad_step(state, out)
+                continue
+            state.step += 1
+            dt = timer.lap()
+            record = {
+                "step": state.step,
+                "loss": out["loss"],
+                "lr": state.optimizer.param_groups[0]["lr"],
+                "grad_norm": out["grad_norm"],
+                "tokens": out["tokens"],
+                "target_tokens": out["target_tokens"],
+                "tokens_per_s": out["tokens"] / dt,
+                "tokens_per_s_per_gpu": out["tokens"] / dt / world,
+                "step_time_s": dt,
+                "peak_mem_gib": metrics_mod.peak_mem_gib(),
+            }
+            record.update(metrics_mod.throughput_fields(cfg, record["tokens_per_s_per_gpu"]))
+            writer.write(record)
+            t0 = time.perf_counter()
+            if cfg.eval.interval and state.step % cfg.eval.interval == 0 and state.val_batches:
+                writer.write({"step": state.step, "eval_loss": evaluate(state)})
+            if cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0:
+                checkpoint.save(state)
+            reason = signals.stop_reason(cfg, state.run_dir, start_time)
+            if reason and state.step < cfg.train.max_steps:
+                if not (cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0):
+                    checkpoint.save(state)
+                raise StopRequested(state.step, reason)
+            timer.exclude(time.perf_counter() - t0)
+        finish(state)
+    finally:
+        writer.close()
+        signals.uninstall()
+
+
+def finish(state: TrainState) -> None:
+    """End of a run: a last checkpoint, then the Hugging Face artefacts (hf_adapter/ or hf_model/)."""
+    from ftcore import checkpoint
+
+    cfg = state.cfg
+    if cfg.checkpoint.save_at_end and not checkpoint.exists(state, state.step):
+        checkpoint.save(state)
+    if cfg.peft.name != "none":
+        from ftcore.peft.export import write_hf_adapter
+
+        write_hf_adapter(state)
+    else:
+        from ftcore.hf.export import write_hf_model
+
+        write_hf_model(state)

@@ -1,0 +1,128 @@
+"""Config checks in the pinned order of DESIGN.md: schema (Hydra, at compose time), divisibility,
+hardware, memory fit, world size. All run before any model is built; each failure is one
+FtcoreError naming the field and the fix."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from ftcore.errors import FtcoreError
+from ftcore.planner.layers import split_layers
+
+CHOICES = {
+    "parallel.recompute": ("none", "selective", "full"),
+    "peft.name": ("none", "lora", "qlora"),
+    "data.format": ("instruction", "chat", "text"),
+    "data.truncate": ("right", "drop"),
+    "data.on_bad_record": ("error", "skip"),
+    "logger.wandb.mode": ("disabled", "offline", "online"),
+    "checkpoint.resume": None,  # auto | never | PATH
+    "plan.format": ("table", "json"),
+}
+
+
+def world_size_of(cfg: DictConfig, launched: int) -> int:
+    """world = cluster.num_gpus when set, else the processes actually launched (DESIGN.md)."""
+    return cfg.cluster.num_gpus if cfg.cluster.num_gpus is not None else launched
+
+
+def data_parallel_size(cfg: DictConfig, world: int) -> int:
+    p = cfg.parallel
+    return world // (p.tp * p.pp * p.cp)
+
+
+def check_choices(cfg: DictConfig) -> None:
+    for key, allowed in CHOICES.items():
+        if allowed is None:
+            continue
+        value = cfg
+        for part in key.split("."):
+            value = value[part]
+        if value not in allowed:
+            raise FtcoreError(f"{value!r} is not one of {', '.join(allowed)}", field=key)
+
+
+def check_divisibility(cfg: DictConfig) -> None:
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for name in ("tp", "pp", "vp", "cp"):
+        if p[name] < 1:
+            raise FtcoreError(f"must be >= 1, got {p[name]}", field=f"parallel.{name}")
+    if m.num_attention_heads % p.tp:
+        raise FtcoreError(
+            f"tp={p.tp} does not divide num_attention_heads={m.num_attention_heads}",
+            field="parallel.tp", fix="choose a tp that divides model.num_attention_heads",
+        )  # fmt: skip
+    if m.num_query_groups % p.tp:
+        raise FtcoreError(
+            f"tp={p.tp} does not divide num_query_groups (kv heads)={m.num_query_groups}",
+            field="parallel.tp", fix="choose a tp that divides model.num_query_groups",
+        )  # fmt: skip
+    if m.num_attention_heads % m.num_query_groups:
+        raise FtcoreError(
+            f"num_query_groups={m.num_query_groups} does not divide num_attention_heads",
+            field="model.num_query_groups",
+        )
+    if m.ffn_hidden_size % p.tp:
+        raise FtcoreError(
+            f"tp={p.tp} does not divide ffn_hidden_size={m.ffn_hidden_size}", field="parallel.tp"
+        )
+    if p.sp and p.tp == 1:
+        raise FtcoreError("sequence parallel needs tp > 1", field="parallel.sp", fix="set parallel.tp>1 or parallel.sp=false")
+    split_layers(m.num_layers, p.pp, p.vp)
+    if cfg.data.seq_len % (p.tp if p.sp else 1) or cfg.data.seq_len % (2 * p.cp):
+        raise FtcoreError(
+            f"seq_len={cfg.data.seq_len} must divide by tp (with sp) and by 2*cp",
+            field="data.seq_len",
+        )
+    if t.micro_batch_size < 1 or t.global_batch_size % t.micro_batch_size:
+        raise FtcoreError(
+            f"global_batch_size={t.global_batch_size} is not divisible by micro_batch_size={t.micro_batch_size}",
+            field="train.global_batch_size",
+            fix="make train.global_batch_size a multiple of train.micro_batch_size",
+        )
+
+
+def check_world(cfg: DictConfig, world: int) -> int:
+    """World-size checks; returns dp."""
+    p, t = cfg.parallel, cfg.train
+    if world % (p.tp * p.pp * p.cp):
+        raise FtcoreError(
+            f"world size {world} is not divisible by tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {p.tp * p.pp * p.cp}",
+            field="parallel.tp/parallel.pp/parallel.cp",
+            fix="launch a multiple of tp*pp*cp processes (launcher.nproc_per_node or cluster.num_gpus)",
+        )
+    dp = data_parallel_size(cfg, world)
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise FtcoreError(
+            f"global_batch_size={t.global_batch_size} is not divisible by micro_batch_size*dp = "
+            f"{t.micro_batch_size}*{dp}",
+            field="train.global_batch_size",
+            fix=f"use a multiple of {t.micro_batch_size * dp}",
+        )
+    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    if p.vp > 1 and num_micro % p.pp:
+        raise FtcoreError(
+            f"the interleaved schedule needs micro-batches per step ({num_micro}) divisible by pp={p.pp}",
+            field="train.global_batch_size",
+        )
+    return dp
+
+
+def validate(cfg: DictConfig, launched: int, *, training: bool = True) -> int:
+    """Run every check in the pinned order; returns the data-parallel size."""
+    from ftcore import planner, precision
+
+    check_choices(cfg)
+    check_divisibility(cfg)
+    if training:
+        precision.check_hardware(cfg)
+    world = world_size_of(cfg, launched)
+    if training:
+        planner.check_fit(cfg, world)
+    if training and cfg.cluster.num_gpus is not None and cfg.cluster.num_gpus != launched:
+        raise FtcoreError(
+            f"cluster.num_gpus={cfg.cluster.num_gpus} but {launched} processes were launched",
+            field="cluster.num_gpus",
+            fix="launch that many processes, or set cluster.num_gpus=null",
+        )
+    return check_world(cfg, world)
