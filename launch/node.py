@@ -1,0 +1,249 @@
+"""ftcore's per-node launcher: `python -m ftcore.launch.node [options] -- [Hydra overrides]`.
+
+One runs on each node (one SLURM task per node, `srun --ntasks-per-node=1`). It derives the
+rendezvous from SLURM's environment (ftcore.launch.slurm_env), checks the allocation against the
+experiment (so a wrong `--nodes` fails in seconds with exit 2, not after 128 processes started),
+prints the resolved layout, starts one worker per GPU (or per requested CPU worker) with the
+torchrun-style environment, and waits.
+
+Why not torchrun: torchrun turns every worker failure into its own exit status 1, so the trainer's
+"3 = stopped after saving, requeue me" would not reach the batch script, and on a signal it kills
+the workers after a 30 s grace, too short to save a 70B/405B checkpoint. Here:
+- SIGTERM/SIGINT/SIGUSR1/SIGUSR2 are forwarded to the workers, which save and exit 3; the launcher
+  waits for them as long as SLURM lets it;
+- exit status: 0 if every worker finished; 3 if every worker exited 0 or 3 and one exited 3; else
+  the first failure's status (128 + signal if killed). A failed worker (not 0/3) takes the others
+  down (TERM, then KILL after --grace seconds), so a crash never hangs the other ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from ftcore.launch import slurm_env
+
+EXIT_OK, EXIT_USER_ERROR, EXIT_REQUEUE = 0, 2, 3
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        argv, overrides = argv[:i], argv[i + 1 :]
+    else:
+        overrides = []
+    p = argparse.ArgumentParser(
+        prog="python -m ftcore.launch.node", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        default="auto",
+        help="workers on this node: a number, or auto (GPUs SLURM gave the node, else "
+        "cluster.gpus_per_node on GPU clusters, else launcher.nproc_per_node)",
+    )
+    p.add_argument("--module", default="ftcore.train", help="what each worker runs (python -m)")
+    p.add_argument(
+        "--grace", type=float, default=60.0, help="seconds between TERM and KILL after a crash"
+    )
+    p.add_argument(
+        "--linger",
+        type=float,
+        default=10.0,
+        help="seconds to stay after exit 2/3 on multi-node jobs (see finish())",
+    )
+    p.add_argument(
+        "--no-check", action="store_true", help="skip the allocation-vs-experiment check"
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the resolved layout as JSON, start nothing"
+    )
+    args, rest = p.parse_known_args(argv)
+    return args, rest + overrides
+
+
+def _compose(overrides: list[str]):
+    from ftcore.config import compose
+
+    return compose(overrides)
+
+
+def resolve_nproc(arg: str, cfg, env: dict[str, str]) -> int:
+    if arg != "auto":
+        return int(arg)
+    if cfg is not None and cfg.cluster.device == "cpu":
+        return int(cfg.launcher.nproc_per_node)
+    gpus = slurm_env.gpus_on_node(env)
+    if gpus:
+        return gpus
+    return int(cfg.cluster.gpus_per_node) if cfg is not None else 1
+
+
+def check(layout: slurm_env.Layout, cfg) -> list[str]:
+    """What is wrong with running `cfg` on this allocation; [] when it fits."""
+    problems = []
+    c, par = cfg.cluster, cfg.parallel
+    exp = cfg.run.exp
+    if c.device != "cpu" and c.num_gpus is not None and layout.world_size != c.num_gpus:
+        problems.append(
+            f"the job has {layout.nnodes} node(s) x {layout.nproc_per_node} GPU(s) = {layout.world_size} "
+            f"workers but {exp} sets cluster.num_gpus={c.num_gpus} (= {c.num_gpus // max(1, c.gpus_per_node)} "
+            f"node(s) x {c.gpus_per_node}); fix: sbatch --nodes={max(1, c.num_gpus // max(1, c.gpus_per_node))} "
+            f"--gpus-per-node={c.gpus_per_node}, or pass cluster.num_gpus={layout.world_size}"
+        )
+    if c.device != "cpu" and layout.nproc_per_node != c.gpus_per_node:
+        problems.append(
+            f"{layout.nproc_per_node} worker(s) per node but cluster.gpus_per_node={c.gpus_per_node}; "
+            f"fix: sbatch --gpus-per-node={c.gpus_per_node} or pass cluster.gpus_per_node="
+            f"{layout.nproc_per_node}"
+        )
+    model_parallel = par.tp * par.pp * par.cp
+    if layout.world_size % model_parallel:
+        problems.append(
+            f"{layout.world_size} workers do not divide into tp*pp*cp = {par.tp}*{par.pp}*{par.cp} "
+            f"= {model_parallel}; fix: a multiple of {model_parallel} workers"
+        )
+    return problems
+
+
+def describe(layout: slurm_env.Layout, cfg, module: str, overrides: list[str]) -> dict:
+    d = layout.as_dict()
+    d["worker_cmd"] = [sys.executable, "-m", module, *overrides]
+    if cfg is not None:
+        par = cfg.parallel
+        d.update(
+            exp=cfg.run.exp,
+            run_dir=cfg.run.dir,
+            device=cfg.cluster.device,
+            cluster=cfg.cluster.name,
+            cluster_num_gpus=cfg.cluster.num_gpus,
+            cluster_gpus_per_node=cfg.cluster.gpus_per_node,
+            tp=par.tp,
+            pp=par.pp,
+            cp=par.cp,
+            vp=par.vp,
+            dp=layout.world_size // max(1, par.tp * par.pp * par.cp),
+        )
+    return d
+
+
+def _status(code: int) -> int:
+    """Popen returncode -> shell-style status (128 + signal when killed)."""
+    return 128 - code if code < 0 else code
+
+
+def supervise(procs: list[subprocess.Popen], grace: float) -> int:
+    """Wait for every worker; forward stop signals; on a crash take the others down."""
+
+    def forward(signum, _frame):
+        print(
+            f"ftcore.launch: got {signal.Signals(signum).name}, forwarding to workers", flush=True
+        )
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    for s in FORWARDED:
+        signal.signal(s, forward)
+    failure = None
+    kill_at = None
+    while True:
+        codes = [p.poll() for p in procs]
+        bad = [(i, _status(c)) for i, c in enumerate(codes) if c is not None and c not in (0, 3)]
+        if bad and failure is None:
+            failure = bad[0][1]
+            print(
+                f"ftcore.launch: local worker {bad[0][0]} failed with status {failure}; "
+                "stopping the others",
+                file=sys.stderr,
+                flush=True,
+            )
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            kill_at = time.monotonic() + grace
+        if all(c is not None for c in codes):
+            break
+        if kill_at is not None and time.monotonic() > kill_at:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            kill_at = None
+        time.sleep(0.1)
+    if failure is not None:
+        return failure
+    return EXIT_REQUEUE if any(p.returncode == EXIT_REQUEUE for p in procs) else EXIT_OK
+
+
+def finish(status: int, nnodes: int, linger: float) -> int:
+    """Return `status`, after lingering when other nodes may still be finishing.
+
+    srun --kill-on-bad-exit stops the whole step as soon as one node's task exits non-zero: a node
+    that reports 3 (saved, requeue me) or 2 (user error) a moment before the others would get their
+    workers killed mid-exit and turn the job's status into 143. Every node lingers instead, so the
+    others report the same status in their own time; a crash (any other status) ends at once.
+    """
+    if nnodes > 1 and status in (EXIT_USER_ERROR, EXIT_REQUEUE):
+        end = time.monotonic() + linger
+        while time.monotonic() < end:
+            time.sleep(0.2)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
+    # Until the workers run, a signal (srun stopping the step because another node failed) is
+    # only noted: every node then reports its own verdict, e.g. the same config error (2).
+    early: list[int] = []
+    for s in FORWARDED:
+        signal.signal(s, lambda signum, _f: early.append(signum))
+    env = dict(os.environ)
+    cfg = None
+    if not args.no_check:
+        from ftcore.errors import FtcoreError
+
+        try:
+            cfg = _compose(overrides)
+        except FtcoreError as e:
+            print(f"ftcore error: {e}", file=sys.stderr, flush=True)
+            nnodes = slurm_env.from_env(env, 1).nnodes
+            return finish(EXIT_USER_ERROR, nnodes, args.linger)
+    layout = slurm_env.from_env(env, resolve_nproc(args.nproc_per_node, cfg, env))
+    info = describe(layout, cfg, args.module, overrides)
+    problems = check(layout, cfg) if cfg is not None else []
+    if args.dry_run:
+        print(json.dumps({**info, "problems": problems}))
+        return EXIT_USER_ERROR if problems else EXIT_OK
+    if problems:
+        for p in problems:
+            print(f"ftcore error: launch: {p}", file=sys.stderr, flush=True)
+        return finish(EXIT_USER_ERROR, layout.nnodes, args.linger)
+    if layout.node_rank == 0:
+        keys = ("exp", "nnodes", "nproc_per_node", "world_size", "tp", "pp", "cp", "dp")
+        summary = " ".join(f"{k}={info[k]}" for k in keys if k in info)
+        print(f"ftcore.launch: job {layout.job_id}: {summary}", flush=True)
+        print(
+            f"ftcore.launch: rendezvous {layout.master_addr}:{layout.master_port} nodes={','.join(layout.nodes)}",
+            flush=True,
+        )
+        print(f"ftcore.launch: worker command: {' '.join(info['worker_cmd'])}", flush=True)
+    if early:
+        print(f"ftcore.launch: got {signal.Signals(early[0]).name} before start", file=sys.stderr)
+        return 128 + early[0]
+    gpu = cfg is None or cfg.cluster.device != "cpu"
+    procs = [
+        subprocess.Popen(info["worker_cmd"], env=slurm_env.worker_env(layout, r, env, gpu))
+        for r in range(layout.nproc_per_node)
+    ]
+    status = supervise(procs, args.grace)
+    print(f"ftcore.launch: node {layout.node_rank}: workers done, exit {status}", flush=True)
+    return finish(status, layout.nnodes, args.linger)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Rendezvous settings derived from SLURM's environment, for one launcher per node.
+
+Why not trust hostnames: on real clusters the node names in SLURM_JOB_NODELIST usually resolve,
+but not always (and on the two-slurmd test cluster they never do); the node's `NodeAddr` is what
+slurmd itself is reached at, so the master address is the first node's NodeAddr. Without scontrol
+(a dry run, a container without the SLURM client) the first node name is used as is.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+
+DEFAULT_PORT_BASE = 29500  # torch's customary port; the job id spreads jobs over the next 20000
+
+
+@dataclass
+class Layout:
+    """Where this node sits in the job: everything a per-node launcher needs."""
+
+    job_id: str
+    nnodes: int
+    node_rank: int
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+    nodes: list[str]
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "world_size": self.world_size}
+
+
+def expand_hostlist(spec: str) -> list[str]:
+    """`gpu[001-003,007],cpu1` -> ['gpu001', 'gpu002', 'gpu003', 'gpu007', 'cpu1'] (SLURM's syntax)."""
+    hosts: list[str] = []
+    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?([^,]*)", spec):
+        prefix, ranges, suffix = m.group(1), m.group(2), m.group(3)
+        if not ranges:
+            hosts.append(prefix + suffix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            width = len(lo)
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{i:0{width}d}{suffix}")
+    return hosts
+
+
+def job_nodes(env: dict[str, str]) -> list[str]:
+    spec = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    if not spec:
+        return []
+    if shutil.which("scontrol"):
+        r = subprocess.run(["scontrol", "show", "hostnames", spec], capture_output=True, text=True)
+        if r.returncode == 0 and r.stdout.split():
+            return r.stdout.split()
+    return expand_hostlist(spec)
+
+
+def node_addr(name: str) -> str:
+    """The address slurmd knows the node by (`NodeAddr`), else the name itself."""
+    if shutil.which("scontrol"):
+        r = subprocess.run(["scontrol", "show", "node", name], capture_output=True, text=True)
+        m = re.search(r"\bNodeAddr=(\S+)", r.stdout)
+        if r.returncode == 0 and m:
+            return m.group(1)
+    return name
+
+
+def gpus_on_node(env: dict[str, str]) -> int | None:
+    """GPUs SLURM gave this node: SLURM_GPUS_ON_NODE, else --gpus-per-node ('8' or 'h100:8')."""
+    if env.get("SLURM_GPUS_ON_NODE", "").isdigit():
+        return int(env["SLURM_GPUS_ON_NODE"])
+    per_node = env.get("SLURM_GPUS_PER_NODE", "")
+    m = re.fullmatch(r"(?:[\w-]+:)?(\d+)", per_node)
+    return int(m.group(1)) if m else None
+
+
+def master_port(env: dict[str, str]) -> int:
+    """MASTER_PORT if set, else one derived from the job id: the same on every node and after a
+    requeue, and different for two jobs sharing a node."""
+    if env.get("MASTER_PORT"):
+        return int(env["MASTER_PORT"])
+    job = env.get("SLURM_JOB_ID", "0")
+    return DEFAULT_PORT_BASE + (int(job) % 20000 if job.isdigit() else 0)
+
+
+def from_env(env: dict[str, str] | None = None, nproc_per_node: int | None = None) -> Layout:
+    """The layout of this node from SLURM's variables (one launcher task per node).
+
+    Outside SLURM it is a single node: rank 0 of 1, master 127.0.0.1.
+    """
+    env = dict(os.environ if env is None else env)
+    nodes = job_nodes(env)
+    nnodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or len(nodes) or 1)
+    node_rank = int(env.get("SLURM_NODEID", "0"))
+    if nproc_per_node is None:
+        nproc_per_node = gpus_on_node(env) or 1
+    if env.get("MASTER_ADDR"):
+        addr = env["MASTER_ADDR"]
+    elif nodes:
+        addr = node_addr(nodes[0])
+    else:
+        addr = "127.0.0.1"
+    return Layout(
+        job_id=env.get("SLURM_JOB_ID", "local"),
+        nnodes=nnodes,
+        node_rank=node_rank,
+        nproc_per_node=nproc_per_node,
+        master_addr=addr,
+        master_port=master_port(env),
+        nodes=nodes or ["localhost"],
+    )
+
+
+def cpus_available() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+# Defaults a user's environment may override (setdefault): what megatron and NCCL need on GPU.
+GPU_ENV_DEFAULTS = {
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # megatron's TP/SP communication overlap relies on it
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # a failed collective ends the process, not a hang
+    "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+    "NCCL_DEBUG": "WARN",
+}
+COMMON_ENV_DEFAULTS = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+
+# A worker is not a SLURM task: these would describe the launcher's task, not the worker's rank.
+TASK_VARS = (
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS",
+    "SLURM_NPROCS",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_NTASKS_PER_NODE",
+)
+
+
+def worker_env(layout: Layout, local_rank: int, base: dict[str, str], gpu: bool) -> dict[str, str]:
+    """The torchrun-style environment of one worker (what ftcore.runtime reads)."""
+    env = {k: v for k, v in base.items() if k not in TASK_VARS}
+    for k, v in {**COMMON_ENV_DEFAULTS, **(GPU_ENV_DEFAULTS if gpu else {})}.items():
+        env.setdefault(k, v)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cpus_available() // layout.nproc_per_node)))
+    env.update(
+        RANK=str(layout.node_rank * layout.nproc_per_node + local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(layout.world_size),
+        LOCAL_WORLD_SIZE=str(layout.nproc_per_node),
+        GROUP_RANK=str(layout.node_rank),
+        NODE_RANK=str(layout.node_rank),
+        MASTER_ADDR=layout.master_addr,
+        MASTER_PORT=str(layout.master_port),
+    )
+    return env

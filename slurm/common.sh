@@ -1,0 +1,121 @@
+# shellcheck shell=bash
+# The batch-step logic every slurm/*.sh shares (sourced, not run on its own).
+#
+# One job = one `srun` step with one ftcore launcher per node (python -m ftcore.launch.node), which
+# starts the workers of its node. Around that step this file:
+# - derives run.dir from the job id (outputs/<exp>/slurm-<job id>), so a requeued job resumes its
+#   own run (checkpoint.resume=auto), and keeps the job's log there too (logs/job.log);
+# - turns SIGUSR1 (`#SBATCH --signal=B:USR1@N` before the time limit, or
+#   `scancel --signal=USR1 --batch JOB`) into a stop request: it touches run.stop_file, which all
+#   ranks check at each step boundary; the trainer saves a checkpoint and exits 3. Signals to the
+#   batch shell do not reach the workers, and torchrun would kill them 30 s after a signal;
+# - requeues the job (scontrol requeue, same job id) only when the step exited 3, at most
+#   FTCORE_MAX_REQUEUES times; never after 0 (done), 2 (user error) or a crash. A SIGTERM (scancel,
+#   the time limit, preemption) also asks the trainer to stop, but does not requeue: SLURM decides.
+#
+# Settings (environment; sbatch passes yours through):
+#   FTCORE_OUTPUT_DIR     where runs go (default: <submit dir>/outputs); must be on a shared filesystem
+#   FTCORE_RUN_DIR        the run directory itself (default: $FTCORE_OUTPUT_DIR/<exp>/slurm-<job id>)
+#   FTCORE_MAX_REQUEUES   requeues allowed after exit 3 (default 20)
+#   FTCORE_PYTHON         the python that runs ftcore on the nodes (default: python on PATH)
+#   FTCORE_MODULE         what the workers run (default ftcore.train; e.g. ftcore.eval)
+#   FTCORE_SRUN_ARGS      extra srun flags, e.g. "--mpi=pmix" (none by default: no PMI is needed)
+#   FTCORE_CONTAINER_IMAGE    run the launcher in a container (off by default):
+#   FTCORE_CONTAINER_RUNTIME  pyxis (srun --container-image, default) or apptainer
+#   FTCORE_CONTAINER_MOUNTS   comma-separated binds (default: the submit dir and the output dir)
+#   FTCORE_DRY_RUN=1      print the srun command and the resolved layout of node 0; start nothing
+
+ftcore_log() { echo "ftcore[$(date +%H:%M:%S)]: $*"; }
+
+_ftcore_on_signal() {
+	FTCORE_GOT_SIGNAL=$1
+	[[ $1 == TERM ]] && FTCORE_TERMINATED=1
+	ftcore_log "got SIG$1: asking the trainer to stop at the next step boundary ($FTCORE_STOP_FILE)"
+	touch "$FTCORE_STOP_FILE"
+}
+
+# ftcore_run EXP NPROC_PER_NODE [OVERRIDES...]: run experiment EXP (conf/exp/EXP.yaml) with
+# NPROC_PER_NODE workers per node (a number, or auto: the GPUs SLURM gave each node).
+ftcore_run() {
+	local exp=${1:?usage: ftcore_run EXP NPROC_PER_NODE [OVERRIDES...]} nproc=${2:?}
+	shift 2
+	local python=${FTCORE_PYTHON:-python}
+	local module=${FTCORE_MODULE:-ftcore.train}
+	local job=${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)}
+	local submit_dir=${SLURM_SUBMIT_DIR:-$PWD}
+	local out=${FTCORE_OUTPUT_DIR:-$submit_dir/outputs}
+	local run_dir=${FTCORE_RUN_DIR:-$out/$exp/slurm-$job}
+	local restarts=${SLURM_RESTART_COUNT:-0}
+	local max_requeues=${FTCORE_MAX_REQUEUES:-20}
+	local nnodes=${SLURM_JOB_NUM_NODES:-1}
+	FTCORE_STOP_FILE=$run_dir/STOP
+
+	local -a prefix=() opts=("--nproc-per-node=$nproc" --module "$module")
+	[[ -n ${FTCORE_DRY_RUN:-} ]] && opts+=(--dry-run)
+	local -a overrides=("+exp=$exp" "run.dir=$run_dir" "run.stop_file=$FTCORE_STOP_FILE"
+		checkpoint.resume=auto "$@") # the user's overrides come last, so they win
+	local -a srun=(srun "--nodes=$nnodes" "--ntasks=$nnodes" --ntasks-per-node=1 --kill-on-bad-exit=1)
+	# srun >= 22.11 no longer inherits --cpus-per-task from sbatch: pass it on explicitly
+	[[ -n ${SLURM_CPUS_PER_TASK:-} ]] && srun+=("--cpus-per-task=$SLURM_CPUS_PER_TASK")
+	if [[ -n ${FTCORE_SRUN_ARGS:-} ]]; then
+		local -a extra
+		read -r -a extra <<<"$FTCORE_SRUN_ARGS"
+		srun+=("${extra[@]}")
+	fi
+	if [[ -n ${FTCORE_CONTAINER_IMAGE:-} ]]; then
+		local mounts=${FTCORE_CONTAINER_MOUNTS:-$submit_dir,$out}
+		case ${FTCORE_CONTAINER_RUNTIME:-pyxis} in
+		pyxis) srun+=("--container-image=$FTCORE_CONTAINER_IMAGE" "--container-mounts=$mounts"
+			"--container-workdir=$submit_dir") ;;
+		apptainer) prefix=(apptainer exec --nv --bind "$mounts" "$FTCORE_CONTAINER_IMAGE") ;;
+		*)
+			ftcore_log "FTCORE_CONTAINER_RUNTIME must be pyxis or apptainer"
+			return 2
+			;;
+		esac
+	fi
+	local -a launcher=("${prefix[@]}" "$python" -m ftcore.launch.node "${opts[@]}" -- "${overrides[@]}")
+
+	if [[ -n ${FTCORE_DRY_RUN:-} ]]; then
+		printf 'srun command:'
+		printf ' %q' "${srun[@]}" "${launcher[@]}"
+		printf '\n'
+		SLURM_NODEID=0 "$python" -m ftcore.launch.node "${opts[@]}" -- "${overrides[@]}"
+		return
+	fi
+
+	mkdir -p "$run_dir/logs" || return 1
+	rm -f "$FTCORE_STOP_FILE" # a stop request belongs to the attempt that made it
+	exec > >(tee -a "$run_dir/logs/job.log") 2>&1
+	local tee_pid=$!
+	ftcore_log "job $job (restart $restarts) on ${SLURM_JOB_NODELIST:-$(hostname)}: exp=$exp run.dir=$run_dir"
+
+	FTCORE_GOT_SIGNAL="" FTCORE_TERMINATED=0
+	trap '_ftcore_on_signal USR1' USR1
+	trap '_ftcore_on_signal TERM' TERM
+	"${srun[@]}" "${launcher[@]}" &
+	local pid=$! rc
+	# A trap interrupts `wait` (status > 128) while the step runs on: wait again until it is over.
+	while :; do
+		FTCORE_GOT_SIGNAL=""
+		wait "$pid"
+		rc=$?
+		[[ -n $FTCORE_GOT_SIGNAL ]] && ((rc > 128)) && continue
+		break
+	done
+	trap - USR1 TERM
+
+	if ((rc == 3)) && ((FTCORE_TERMINATED)); then
+		ftcore_log "step exited 3 after SIGTERM: checkpoint saved; SLURM decides whether the job comes back"
+	elif ((rc == 3)) && ((restarts >= max_requeues)); then
+		ftcore_log "step exited 3 but the job was already requeued $restarts times (FTCORE_MAX_REQUEUES=$max_requeues): not requeueing"
+	elif ((rc == 3)); then
+		ftcore_log "step exited 3 (stopped after saving a checkpoint): requeueing job $job"
+		scontrol requeue "$job" || ftcore_log "scontrol requeue $job failed"
+	else
+		ftcore_log "step exited $rc: $( ((rc == 0)) && echo "done" || echo "not requeueing")"
+	fi
+	exec >&- 2>&- # let tee see the end of the log, then wait for it to flush
+	wait "$tee_pid" 2>/dev/null
+	return "$rc"
+}
