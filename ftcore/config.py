@@ -158,6 +158,7 @@ class PrecisionConfig:
     fp8_recipe: Optional[str] = None  # delayed | tensorwise | blockwise | mxfp8
     fp4_recipe: Optional[str] = None  # nvfp4
     fp8_format: Optional[str] = None  # e4m3 | hybrid (E5M2 grads); default per recipe (ftcore.precision)
+    te_layers: bool = True  # GPU: Transformer Engine layers when installed (FP8/FP4 need them)
     first_last_bf16_layers: int = 0  # keep this many layers at each end in BF16
     fp8_param_gather: bool = False
     fp8_attention: bool = False  # FP8 for the attention core (dot product attention)

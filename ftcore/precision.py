@@ -234,6 +234,12 @@ def check_config(cfg: DictConfig) -> None:
                 fix="set it to 0",
             )
         return
+    if not p.te_layers:
+        raise FtcoreError(
+            f"{p.name} runs through Transformer Engine layers",
+            field="precision.te_layers",
+            fix="set precision.te_layers=true, or use precision=bf16",
+        )
     if p.params_dtype != "bf16":
         raise FtcoreError(
             f"{p.name} keeps its high-precision weights in BF16",
@@ -483,9 +489,11 @@ def te_supports(name: str) -> tuple[bool, str]:
 
 
 def use_te(cfg: DictConfig) -> bool:
-    """Build with TE layers: on CUDA when TE is installed. QLoRA keeps megatron's local layers,
-    whose plain weights bitsandbytes quantises to NF4."""
-    return runs_on_cuda(cfg) and cfg.peft.name != "qlora" and _te() is not None
+    """Build with TE layers: on CUDA when TE is installed, unless precision.te_layers=false. QLoRA
+    keeps megatron's local layers, whose plain weights bitsandbytes quantises to NF4."""
+    if not runs_on_cuda(cfg) or cfg.peft.name == "qlora" or not cfg.precision.te_layers:
+        return False
+    return _te() is not None
 
 
 def layer_spec(cfg: DictConfig):

@@ -154,6 +154,7 @@ BAD = [
     ("fp8_cs", dict(precision__first_last_bf16_layers=-1), "precision.first_last_bf16_layers", ">= 0"),
     ("nvfp4", dict(model__num_layers=16, parallel__pp=8, precision__first_last_bf16_layers=3), "precision.first_last_bf16_layers", "pipeline stage"),
     ("mxfp8", dict(precision__fp8_attention=True), "precision.fp8_attention", "delayed or tensorwise"),
+    ("fp8_cs", dict(precision__te_layers=False), "precision.te_layers", "Transformer Engine"),
     ("fp8_cs", dict(model__hidden_size=200), "precision", "multiple of 16"),
     ("mxfp8", dict(model__ffn_hidden_size=688), "precision", "multiple of 32"),
     ("nvfp4", dict(data__seq_len=100, train__micro_batch_size=1), "data.seq_len", "multiple of 32"),
@@ -267,6 +268,7 @@ def test_cpu_paths_use_local_spec_and_no_te(configs):
     if torch.cuda.is_available():
         pytest.skip("CPU behaviour")
     assert not precision.use_te(cfg) and precision.layer_spec(cfg) is None
+    assert not precision.use_te(with_(cfg, cluster__device="cuda"))
     assert precision.te_version() is None
     x = torch.randn(3, 4)
     assert precision.high_precision(x) is x
