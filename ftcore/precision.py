@@ -326,6 +326,18 @@ def supported_on(name: str, cc: float, cuda: Optional[float] = None) -> tuple[bo
     return True, ""
 
 
+def cluster_supports(cfg: DictConfig) -> tuple[bool, str]:
+    """Whether the target cluster (cluster.device, cluster.compute_capability) runs this precision:
+    the planner's view, which needs no GPU here."""
+    name = recipe_name(cfg)
+    if name is None:
+        return True, ""
+    cc = cfg.cluster.compute_capability
+    if cfg.cluster.device == "cpu" or cc is None:
+        return False, f"{cfg.precision.name} needs a GPU of {RECIPES[name].hardware}"
+    return supported_on(name, cc)
+
+
 def fallback(cc: Optional[float], exclude: str, cuda: Optional[float] = None) -> str:
     """The precision option that would run instead: the first FP8 one the device runs, else BF16."""
     if cc is None:

@@ -51,7 +51,8 @@ def decide_run_dir(cfg: DictConfig) -> str:
     return str(Path("outputs") / cfg.run.exp / job)
 
 
-def setup(cfg: DictConfig) -> TrainState:
+def setup(cfg: DictConfig, *, data: bool = True) -> TrainState:
+    """Build a run. `data=False` leaves state.loader empty (tests feed their own micro-batches)."""
     from ftcore import checkpoint, validate
     from ftcore.data.pipeline import build_train_loader, build_val_batches
     from ftcore.models.builder import build_model, wrap_ddp
@@ -102,9 +103,10 @@ def setup(cfg: DictConfig) -> TrainState:
     _wire_model_config(state)
     # 10. Data: this DP rank's shard of a layout-independent global order.
     dp_rank = ps.get_data_parallel_rank()
-    state.loader = build_train_loader(cfg, state.tokenizer, dp_rank, dp)
-    if cfg.eval.interval > 0:
-        state.val_batches = build_val_batches(cfg, state.tokenizer, dp_rank, dp)
+    if data:
+        state.loader = build_train_loader(cfg, state.tokenizer, dp_rank, dp)
+        if cfg.eval.interval > 0:
+            state.val_batches = build_val_batches(cfg, state.tokenizer, dp_rank, dp)
     # 11. Resume (model, optimizer, schedule, data position, RNG) from checkpoints/latest.
     checkpoint.maybe_resume(state)
     # 12. Stop requests: signals, the stop file, run.max_time.

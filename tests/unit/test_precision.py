@@ -310,3 +310,14 @@ def test_merge_refusal_reason_holds_in_fp8():
     )
     lost_bf16 = ((w + delta).to(BF16).float() == w.to(BF16).float()).float().mean()
     assert lost_fp8 > 0.8 and lost_bf16 < 0.5
+
+
+def test_cluster_supports(configs):
+    assert precision.cluster_supports(configs["bf16"]) == (True, "")
+    ok, why = precision.cluster_supports(configs["fp8_cs"])  # local_cpu
+    assert not ok and "compute capability >= 8.9" in why
+    h100 = dict(cluster__device="cuda", cluster__compute_capability=9.0)
+    assert precision.cluster_supports(with_(configs["fp8_cs"], **h100))[0]
+    assert not precision.cluster_supports(with_(configs["nvfp4"], **h100))[0]
+    b200 = dict(cluster__device="cuda", cluster__compute_capability=10.0)
+    assert precision.cluster_supports(with_(configs["nvfp4"], **b200))[0]

@@ -1,0 +1,43 @@
+# The README's commands. `make train` and `make test` work on a fresh machine: they create .venv,
+# install torch==2.13.0 first (the CPU wheel on disk; a looser pin would fetch a CUDA build),
+# then ftcore with its test extra.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+EXP ?= tiny_full
+PYTEST_ARGS ?=
+
+.PHONY: setup train test test-fast lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/python -m ftcore.train +exp=$(EXP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check ftcore tests launch
+	$(BIN)/ruff format --check ftcore tests launch
+
+format: $(STAMP)
+	$(BIN)/ruff format ftcore tests launch
+	$(BIN)/ruff check --fix ftcore tests launch
+
+bench: $(STAMP)
+	$(BIN)/python -m ftcore.bench +bench=layouts_cpu
+
+clean:
+	rm -rf outputs .pytest_cache
