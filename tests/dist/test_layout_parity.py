@@ -1,0 +1,58 @@
+"""Core promise: a layout change (TP, SP, PP, interleaved PP, DP, distributed optimizer,
+micro-batching) does not change the math. fp32 on CPU, 5 optimizer steps, 1e-5 relative."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist.layouts import merge_weights, train_and_collect
+
+RTOL = 1e-5
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def reference(pool1, tmp_path_factory):
+    """TP=1/PP=1/DP=1 with the whole global batch as one micro-batch."""
+    return pool1.run(train_and_collect, ["train.micro_batch_size=8"], str(tmp_path_factory.mktemp("ref")), STEPS)[0]
+
+
+def _close(a, b, what):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    rel = ((a - b).abs() / b.abs().clamp_min(1e-12)).max().item()
+    assert rel <= RTOL, f"{what}: max relative difference {rel:.2e} > {RTOL}"
+    return rel
+
+
+LAYOUTS = {
+    "tp2": ["parallel.tp=2"],
+    "tp2_sp": ["parallel.tp=2", "parallel.sp=true"],
+    "pp2": ["parallel.pp=2"],
+    "pp2_vp2": ["parallel.pp=2", "parallel.vp=2"],
+    "dp2": [],
+    "dp2_distopt": ["parallel.distributed_optimizer=true"],
+}
+
+
+@pytest.mark.dist
+def test_gradient_accumulation_matches(pool1, reference, tmp_path):
+    """4 micro-batches of 2 sequences == 1 micro-batch of 8 (per-token loss over the global batch)."""
+    got = pool1.run(train_and_collect, ["train.micro_batch_size=2"], str(tmp_path), STEPS)[0]
+    _close(got["loss"], reference["loss"], "4 micro-batches losses")
+    _close(got["grad_norm"], reference["grad_norm"], "4 micro-batches grad norms")
+    for k, w in reference["weights"].items():
+        torch.testing.assert_close(got["weights"][k], w, rtol=RTOL, atol=1e-7)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(name, pool2, reference, tmp_path):
+    results = pool2.run(train_and_collect, LAYOUTS[name], str(tmp_path), STEPS)
+    got = results[0] if results[0]["loss"] else results[-1]
+    _close(got["loss"], reference["loss"], f"{name} losses")
+    _close(got["grad_norm"], reference["grad_norm"], f"{name} grad norms")
+    weights = merge_weights(results)
+    assert weights.keys() == reference["weights"].keys()
+    for k, w in reference["weights"].items():
+        torch.testing.assert_close(weights[k], w, rtol=RTOL, atol=1e-7, msg=lambda m, k=k: f"{name} {k}: {m}")
