@@ -90,17 +90,15 @@ def layer_spec(cfg: DictConfig, config: TransformerConfig, *, on_cpu: bool, vp_s
     """Local spec with an SP-capable RMSNorm on CPU; Transformer Engine's spec on GPU."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    if on_cpu:
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-        norm = ModuleSpec(module=RMSNorm)
-        spec.submodules.input_layernorm = norm
-        spec.submodules.pre_mlp_layernorm = norm
-    else:
+    if not on_cpu:
         from ftcore import precision
 
-        spec = precision.layer_spec(cfg)
-        norm = None
+        spec = precision.layer_spec(cfg)  # None: no TE, precision.te_layers=false, or QLoRA
+        if spec is not None:
+            return spec
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    norm = ModuleSpec(module=RMSNorm)
+    spec.submodules.input_layernorm = norm
+    spec.submodules.pre_mlp_layernorm = norm
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    if norm is None:
-        return spec
     return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=norm)
