@@ -15,6 +15,7 @@ from megatron.core import tensor_parallel
 
 from ftcore.data.pipeline import MicroBatch, attention_mask_from_segments
 from ftcore.models.sharding import unwrap
+from ftcore.runtime import cpu
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -46,7 +47,8 @@ def forward_step(data_iterator, model):
     mb: MicroBatch = next(data_iterator)
     device = next(model.parameters()).device
     mask = attention_mask_from_segments(mb.segment_ids).to(device)
-    output = model(mb.tokens.to(device), mb.position_ids.to(device), mask)
+    with cpu.mode_suspended():
+        output = model(mb.tokens.to(device), mb.position_ids.to(device), mask)
     return output, partial(loss_func, mb, unwrap(model).vocab_size_unpadded)
 
 

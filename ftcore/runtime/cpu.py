@@ -12,6 +12,7 @@ megatron-core assumes CUDA in two ways (see shared/notes/megatron_on_cpu.md):
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 
 import torch
@@ -77,6 +78,18 @@ def device_mode():
         yield
         return
     with CudaOnCpuMode():
+        yield
+
+
+@contextlib.contextmanager
+def mode_suspended():
+    """Leave the rewriting mode for hot code that needs none of it (the model's forward).
+
+    FTCORE_CPU_MODE_IN_FORWARD=1 keeps it on, to measure what it costs."""
+    if not _active or os.environ.get("FTCORE_CPU_MODE_IN_FORWARD") == "1":
+        yield
+        return
+    with torch._C.DisableTorchFunction():
         yield
 
 

@@ -1,0 +1,90 @@
+"""Config composition and the validation errors of Core I: exit 2, one line naming the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ftcore.config import compose, conf_dir
+from ftcore.errors import FtcoreError
+from ftcore.validate import validate
+
+EXPS = sorted(p.stem for p in (conf_dir() / "exp").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("exp", EXPS)
+def test_every_exp_composes(exp):
+    cfg = compose([f"+exp={exp}"])
+    assert cfg.run.exp == exp
+    assert cfg.model.num_layers > 0
+
+
+def test_unknown_key_names_the_key():
+    with pytest.raises(FtcoreError, match=r"parallel\.tpp"):
+        compose(["+exp=tiny_full", "parallel.tpp=2"])
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(FtcoreError, match=r"parallel\.tp"):
+        compose(["+exp=tiny_full", "parallel.tp=two"])
+
+
+def test_unknown_group_option_lists_options():
+    with pytest.raises(FtcoreError, match="tiny"):
+        compose(["+exp=tiny_full", "model=llama9"])
+
+
+@pytest.mark.parametrize(
+    "overrides, world, field",
+    [
+        (["parallel.tp=3"], 3, "parallel.tp"),  # 8 heads
+        (["model.num_query_groups=2", "model.num_attention_heads=8", "parallel.tp=4"], 4, "parallel.tp"),
+        (["parallel.pp=3"], 3, "parallel.pp"),  # 4 layers: neither 4 nor 6 divides by 3... 6 does
+        (["parallel.pp=5"], 5, "model.num_layers"),
+        (["train.global_batch_size=10", "train.micro_batch_size=4"], 1, "train.global_batch_size"),
+        (["train.global_batch_size=12", "train.micro_batch_size=4"], 2, "train.global_batch_size"),
+        (["parallel.tp=2"], 3, "parallel.tp/parallel.pp/parallel.cp"),
+        (["parallel.sp=true"], 1, "parallel.sp"),
+        (["parallel.recompute=some"], 1, "parallel.recompute"),
+    ],
+)
+def test_validation_names_the_field(overrides, world, field):
+    cfg = compose(["+exp=tiny_full", *overrides])
+    if overrides == ["parallel.pp=3"]:
+        validate(cfg, world)  # 4 layers + embedding + loss = 6: megatron's uneven split works
+        return
+    with pytest.raises(FtcoreError) as e:
+        validate(cfg, world)
+    assert field in str(e.value)
+
+
+def _run(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "ftcore.train", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["+exp=tiny_full", "parallel.tpp=2"], "parallel.tpp"),
+        (["+exp=tiny_full", "parallel.tp=x"], "parallel.tp"),
+        (["+exp=tiny_full", "parallel.tp=3"], "parallel.tp"),
+        (["+exp=tiny_full", "train.global_batch_size=10"], "train.global_batch_size"),
+        (["+exp=nope"], "exp/nope"),
+    ],
+)
+def test_cli_exits_2_with_one_line(args, field):
+    r = _run(*args)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("ftcore error")]
+    assert len(lines) == 1 and field in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_cfg_job_prints_config():
+    r = _run("+exp=tiny_full", "--cfg", "job")
+    assert r.returncode == 0
+    assert "tiny_full" in r.stdout and "parallel:" in r.stdout
