@@ -201,6 +201,8 @@ class ClusterConfig:
     compute_capability: Optional[float] = None  # 9.0 (H100/H200), 10.0 (B200/GB200), 10.3 (GB300)
     peak_tflops: dict[str, float] = field(default_factory=dict)  # dense per precision: bf16, fp8, fp4
     matmul_efficiency: float = 0.7  # achievable fraction of peak on large GEMMs
+    attention_efficiency: float = 0.5  # flash attention, fraction of the bf16 peak (planner)
+    hbm_gbps: float = 100.0  # memory bandwidth, GB/s: elementwise kernels, optimizer (planner)
     nvlink_domain: int = 1  # GPUs per NVLink domain
     nvlink_gbps: float = 0.0  # GB/s per GPU, one direction
     network_gbps: float = 0.0  # GB/s per GPU across nodes

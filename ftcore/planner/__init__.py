@@ -1,0 +1,139 @@
+"""The planner: memory per pipeline stage, throughput, and whether a job fits, from its config.
+
+`plan(cfg, world)` returns the JSON of DESIGN.md (`python -m ftcore.plan`); `check_fit(cfg, world)`
+is validate()'s memory-fit step (ftcore.train refuses a job predicted not to fit).
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from ftcore.errors import FtcoreError
+from ftcore.planner.memory import GiB, StageMemory, all_stages
+from ftcore.planner import throughput as _throughput
+
+__all__ = ["check_fit", "plan", "gpus_needed"]
+
+
+def world_of(cfg: DictConfig, world: int | None = None) -> int:
+    if world:
+        return int(world)
+    if cfg.cluster.num_gpus:
+        return int(cfg.cluster.num_gpus)
+    p = cfg.parallel
+    return p.tp * p.pp * p.cp
+
+
+def capacity(cfg: DictConfig) -> int:
+    return int(cfg.cluster.gpu_mem_gib * GiB)
+
+
+def worst_stage(stages: list[StageMemory]) -> StageMemory:
+    return max(stages, key=lambda s: s.total)
+
+
+def check_fit(cfg: DictConfig, world_size: int) -> None:
+    """Raise FtcoreError naming the stage, the total and the largest term unless it fits
+    (or `plan.enforce=false`)."""
+    if not cfg.plan.enforce:
+        return
+    stages = all_stages(cfg, world_of(cfg, world_size))
+    worst = worst_stage(stages)
+    cap = capacity(cfg)
+    if worst.total <= cap:
+        return
+    name, size = worst.largest()
+    raise FtcoreError(
+        f"predicted out of memory: pipeline stage {worst.pp_rank} needs {worst.total / GiB:.1f} GiB "
+        f"per GPU of {cap / GiB:.1f} GiB on {cfg.cluster.name} (largest term: {name} "
+        f"{size / GiB:.1f} GiB; `python -m ftcore.plan` shows every term)",
+        field="cluster.gpu_mem_gib",
+        fix="add GPUs or change the layout (parallel.tp/pp, distributed_optimizer, recompute, "
+        "train.micro_batch_size; `plan.search=true` ranks layouts that fit), "
+        "or set plan.enforce=false",
+    )
+
+
+def _stage_json(s: StageMemory) -> dict:
+    return {
+        "pp_rank": s.pp_rank,
+        "layers": s.layers,
+        "memory_gib": {
+            "weights": s.weights / GiB,
+            "grads": s.grads / GiB,
+            "optimizer": s.optimizer / GiB,
+            "activations": s.activations / GiB,
+            "reserve": s.reserve / GiB,
+            "total": s.total / GiB,
+        },
+        "parts": {k: (v / GiB if isinstance(v, int) and k not in _COUNTS else v) for k, v in s.parts.items()},
+    }
+
+
+_COUNTS = ("layers_in_flight", "elements")
+
+
+def gpus_needed(cfg: DictConfig) -> int | None:
+    """Fewest GPUs of this cluster type on which some layout fits (search over tp/pp/cp/dp)."""
+    from ftcore.planner.search import smallest_fit
+
+    return smallest_fit(cfg)
+
+
+def plan(cfg: DictConfig, world_size: int | None = None) -> dict:
+    """The plan of DESIGN.md: memory per stage (worst stage on top), fit, GPUs needed, speed."""
+    world = world_of(cfg, world_size)
+    stages = all_stages(cfg, world)
+    worst = worst_stage(stages)
+    cap = capacity(cfg)
+    speed = _throughput.throughput(cfg, world)
+    p = cfg.parallel
+    st = speed["time"]
+    return {
+        "exp": cfg.run.exp,
+        "model": cfg.model.name,
+        "peft": cfg.peft.name,
+        "precision": cfg.precision.name,
+        "cluster": cfg.cluster.name,
+        "num_gpus": world,
+        "layout": {
+            "tp": p.tp,
+            "pp": p.pp,
+            "vp": p.vp,
+            "cp": p.cp,
+            "dp": world // (p.tp * p.pp * p.cp),
+            "sp": bool(p.sp),
+            "distributed_optimizer": bool(p.distributed_optimizer),
+            "recompute": p.recompute,
+            "micro_batch_size": cfg.train.micro_batch_size,
+            "global_batch_size": cfg.train.global_batch_size,
+            "seq_len": cfg.data.seq_len,
+        },
+        "gpu_mem_gib": cap / GiB,
+        "memory_gib": {
+            "weights": worst.weights / GiB,
+            "grads": worst.grads / GiB,
+            "optimizer": worst.optimizer / GiB,
+            "activations": worst.activations / GiB,
+            "reserve": worst.reserve / GiB,
+            "total": worst.total / GiB,
+        },
+        "worst_stage": worst.pp_rank,
+        "stages": [_stage_json(s) for s in stages],
+        "fits": worst.total <= cap,
+        "gpus_needed": gpus_needed(cfg),
+        "tokens_per_s_per_gpu": speed["tokens_per_s_per_gpu"],
+        "model_tflops_per_gpu": speed["model_tflops_per_gpu"],
+        "mfu": speed["mfu"],
+        "mfu_basis": "model FLOPs / dense bf16 peak of the GPU",
+        "step_time_s": speed["step_time_s"],
+        "step_time_parts_s": {
+            "compute": st.compute_s,
+            "tp_cp_comm": st.tp_comm_s,
+            "pipeline_bubble": st.bubble_s,
+            "pipeline_send": st.pp_comm_s,
+            "dp_comm": st.dp_comm_s,
+            "optimizer": st.optimizer_s,
+            "overhead": st.overhead_s,
+        },
+    }

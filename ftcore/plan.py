@@ -1,0 +1,47 @@
+"""`python -m ftcore.plan +exp=NAME [overrides] [plan.format=json] [plan.search=true]`.
+
+Prints memory per pipeline stage, whether the job fits, the GPUs needed and the predicted speed.
+Exits 0 whether or not it fits (2 only for config errors); with plan.format=json stdout is exactly
+one JSON object and logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+
+from omegaconf import DictConfig
+
+from ftcore.cli import run
+from ftcore.errors import FtcoreError
+
+
+def task(cfg: DictConfig) -> int:
+    from ftcore import planner
+    from ftcore.planner.layers import split_layers
+    from ftcore.planner.report import table
+    from ftcore.planner.search import search
+
+    if cfg.plan.format not in ("table", "json"):
+        raise FtcoreError(f"unknown format {cfg.plan.format!r}", field="plan.format", fix="table or json")
+    p = cfg.parallel
+    split_layers(cfg.model.num_layers, p.pp, p.vp)
+    world = planner.world_of(cfg)
+    if world % (p.tp * p.pp * p.cp):
+        raise FtcoreError(
+            f"{world} GPUs do not divide by tp*pp*cp = {p.tp * p.pp * p.cp}",
+            field="cluster.num_gpus",
+            fix="use a multiple of parallel.tp * parallel.pp * parallel.cp",
+        )
+    result = planner.plan(cfg, world)
+    ranked = search(cfg, world, cfg.plan.top) if cfg.plan.search else None
+    if cfg.plan.format == "json":
+        if ranked is not None:
+            result["search"] = ranked
+        print(json.dumps(result))
+    else:
+        print(table(result, ranked))
+    return 0
+
+
+if __name__ == "__main__":
+    run("plan", task)

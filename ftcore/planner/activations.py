@@ -1,0 +1,190 @@
+"""Activation bytes: what autograd saves for backward, per layer part, and how many micro-batches
+are in flight on each pipeline rank.
+
+Two implementations are modelled, because they save different tensors:
+- `local`: megatron's local layer spec (CPU runs): unfused attention keeps the [b, heads, s, s]
+  softmax, ftcore's RMSNorm keeps fp32 copies, frozen linears keep no input.
+- `te`: Transformer Engine's spec (GPU runs): flash attention (q, k, v, output, logsumexp), fused
+  LayerNorm-Linear (input, rstd, normed output), fused SwiGLU (its input); FP8 linears keep their
+  inputs quantized (1 byte).
+The `local` numbers are checked against tensors counted with saved_tensors_hooks in
+tests/dist/test_planner_bytes*.py; the `te` ones follow the same accounting for TE's modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from ftcore.planner.layers import split_layers
+from ftcore.planner.params import lora_targets, padded_vocab
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Everything the activation formulas need, resolved from the config."""
+
+    s: int  # full sequence length
+    sl: int  # local sequence (s / cp)
+    b: int  # micro batch
+    h: int
+    q: int  # heads * head dim
+    kv: int  # kv groups * head dim
+    f: int  # ffn hidden
+    a: int  # heads
+    g: int  # kv groups
+    d: int  # head dim
+    vocab: int  # padded vocab
+    tp: int
+    sp: bool
+    ab: int  # activation bytes
+    fp8: bool  # linear inputs kept quantized (TE)
+    impl: str  # local | te
+    full: bool  # base trainable
+    targets: tuple[str, ...]  # linears with LoRA adapters
+    r: int
+    recompute: str
+
+    @property
+    def tokens(self) -> int:
+        return self.sl * self.b
+
+    @property
+    def hs(self) -> int:
+        """Hidden width of tensors outside the TP region on one rank (split by SP)."""
+        return self.h // self.tp if self.sp else self.h
+
+
+def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
+    m, p, pr = cfg.model, cfg.parallel, cfg.precision
+    d = m.kv_channels or m.hidden_size // m.num_attention_heads
+    te = cfg.cluster.device != "cpu"
+    return Shape(
+        s=cfg.data.seq_len,
+        sl=cfg.data.seq_len // p.cp,
+        b=micro_batch or cfg.train.micro_batch_size,
+        h=m.hidden_size,
+        q=m.num_attention_heads * d,
+        kv=m.num_query_groups * d,
+        f=m.ffn_hidden_size,
+        a=m.num_attention_heads,
+        g=m.num_query_groups,
+        d=d,
+        vocab=padded_vocab(m.vocab_size, p.tp),
+        tp=p.tp,
+        sp=bool(p.sp),
+        ab=DTYPE_BYTES[pr.params_dtype],
+        fp8=te and bool(pr.fp8_recipe or pr.fp4_recipe),
+        impl="te" if te else "local",
+        full=cfg.peft.name == "none",
+        targets=tuple(lora_targets(cfg)),
+        r=cfg.peft.r,
+        recompute=p.recompute,
+    )
+
+
+def _keeps_input(sh: Shape, linear: str) -> bool:
+    """A linear's input is saved when its weight trains or an adapter reads it."""
+    return sh.full or linear in sh.targets
+
+
+def layer_parts(sh: Shape) -> dict[str, int]:
+    """Saved bytes of one transformer layer for one micro-batch, by layer part (no recompute)."""
+    T, t, ab = sh.tokens, sh.tp, sh.ab
+    hs = sh.hs
+    lin_b = 1 if sh.fp8 else ab  # bytes of a saved linear input
+    parts: dict[str, int] = {}
+    if sh.impl == "local":
+        # ftcore RMSNorm: fp32 input copy + rstd (+ the normalised fp32 y for the weight grad).
+        norm = T * hs * 4 + T * 4 + (T * hs * 4 if sh.full else 0) + (sh.h * 4 if ab != 4 else 0)
+        parts["attn_norm"] = norm
+        parts["qkv"] = T * hs * ab if _keeps_input(sh, "linear_qkv") else 0
+        parts["rope"] = 4 * sh.sl * sh.d * ab
+        heads = sh.a // t
+        if sh.g < sh.a:  # k and v are expanded to every head (repeat_interleave)
+            qkv_saved = 3 * T * sh.q // t * ab
+        else:  # q, k rotated copies; v a view of the fused QKV output
+            qkv_saved = 2 * T * sh.q // t * ab + T * (sh.q + 2 * sh.kv) // t * ab
+        probs = sh.b * heads * sh.sl * sh.s * (4 + (ab if ab != 4 else 0))
+        parts["core_attn"] = qkv_saved + (0 if sh.recompute == "selective" else probs)
+        parts["proj"] = T * sh.q // t * ab if _keeps_input(sh, "linear_proj") else 0
+        parts["mlp_norm"] = norm
+        parts["fc1"] = T * hs * ab if _keeps_input(sh, "linear_fc1") else 0
+        parts["swiglu"] = 4 * T * sh.f // t * ab  # fc1 output, silu(gate), up + 0
+        parts["fc2"] = T * sh.f // t * ab if _keeps_input(sh, "linear_fc2") else 0
+    else:
+        # TE LayerNormLinear: input, rstd, normalised output (quantized under FP8).
+        def ln_linear(linear: str) -> int:
+            return T * hs * ab + T * 4 + (T * hs * lin_b if _keeps_input(sh, linear) else 0)
+
+        parts["attn_norm"] = 0
+        parts["qkv"] = ln_linear("linear_qkv")
+        parts["rope"] = 0
+        lse = sh.b * (sh.a // t) * sh.sl * 4
+        qkv = T * (sh.q + 2 * sh.kv) // t * ab
+        out = T * sh.q // t * ab
+        parts["core_attn"] = qkv + (0 if sh.recompute == "selective" else out + lse)
+        proj_in = T * sh.q // t * (1 if sh.fp8 else 0)  # bf16: the attention output itself
+        if sh.recompute == "selective" and not sh.fp8:
+            proj_in = T * sh.q // t * ab
+        parts["proj"] = proj_in if _keeps_input(sh, "linear_proj") else 0
+        parts["mlp_norm"] = 0
+        parts["fc1"] = ln_linear("linear_fc1")
+        parts["swiglu"] = 2 * T * sh.f // t * ab
+        parts["fc2"] = T * sh.f // t * lin_b if _keeps_input(sh, "linear_fc2") else 0
+    parts["lora"] = len(sh.targets) * T * sh.r * ab
+    return parts
+
+
+def layer_bytes(sh: Shape) -> int:
+    """Saved bytes per layer per micro-batch, after recompute."""
+    if sh.recompute == "full":
+        return sh.tokens * sh.hs * sh.ab  # only the layer input is checkpointed
+    return sum(layer_parts(sh).values())
+
+
+def loss_bytes(sh: Shape) -> dict[str, int]:
+    """Last stage: final norm, output-layer input, the cross entropy's fp32 softmax."""
+    T = sh.tokens
+    if sh.impl == "local":
+        norm = T * sh.hs * 4 + T * 4 + (T * sh.hs * 4 if sh.full else 0)
+    else:
+        norm = T * sh.hs * sh.ab + T * 4
+    head_in = T * sh.hs * sh.ab if sh.full else 0
+    return {"final_norm": norm, "output_layer": head_in, "loss": T * sh.vocab // sh.tp * 4}
+
+
+def transient_bytes(sh: Shape, last_stage: bool) -> int:
+    """Short-lived peaks on top of the saved tensors: the logits and their fp32 copy at the loss,
+    or one layer's full activations while it is recomputed."""
+    peak = 0
+    if last_stage:
+        peak = sh.tokens * sh.vocab // sh.tp * (sh.ab + 4)
+    if sh.recompute == "full":
+        full_sh = Shape(**{**sh.__dict__, "recompute": "none"})
+        peak = max(peak, sum(layer_parts(full_sh).values()))
+    return peak
+
+
+def in_flight_layers(cfg: DictConfig, pp_rank: int, num_micro: int) -> tuple[int, int]:
+    """(layer-microbatches held at the peak, micro-batch inputs held) on one pipeline rank.
+
+    1F1B: rank r holds min(pp - r, m) micro-batches of all its layers. Interleaved: megatron's
+    warm-up runs (pp - r - 1) * 2 + (vp - 1) * pp forwards, chunk (k // pp) % vp for the k-th,
+    before the first backward; each holds that chunk's layers.
+    """
+    p = cfg.parallel
+    split = split_layers(cfg.model.num_layers, p.pp, p.vp)
+    layers = split[pp_rank]
+    if p.pp == 1:
+        return sum(layers), 0
+    if p.vp == 1:
+        n = min(p.pp - pp_rank, num_micro)
+        return n * layers[0], n
+    total = num_micro * p.vp
+    warm = min((p.pp - pp_rank - 1) * 2 + (p.vp - 1) * p.pp, total)
+    units = [(k // p.pp) % p.vp for k in range(warm + 1)]
+    return sum(layers[c] for c in units), len(units)

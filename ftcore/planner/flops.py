@@ -1,0 +1,85 @@
+"""FLOPs: the model FLOPs that MFU is quoted in, and the work one GPU executes per micro-batch.
+
+Model FLOPs per token follow the published convention (shared/anchors/published_throughput.csv):
+N' = parameters without the input embedding (the LM head counts);
+- full training: 6N' + the causal attention term 6 * seq_len * (heads * head_dim) per layer
+  (forward QK^T and AV over seq_len/2 keys on average, backward twice that);
+- LoRA: 4N' (forward and input gradients of the frozen base; adapters and attention not counted).
+Executed work is what the time model needs: GEMMs by precision, attention (flash backward
+recomputes QK^T: 2.5x its forward), recompute, the LM head; it differs from model FLOPs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from ftcore.planner.layers import split_layers
+from ftcore.planner.params import linear_shapes, lora_targets, padded_vocab
+
+FLASH_BWD = 2.5  # flash-attention backward work relative to its forward
+
+
+def n_prime(cfg: DictConfig) -> int:
+    """Base-model parameters without the input embedding (the LM head counts)."""
+    m = cfg.model
+    lin = sum(o * i for o, i in linear_shapes(m, 1).values())
+    return m.num_layers * (lin + 2 * m.hidden_size) + m.hidden_size + m.vocab_size * m.hidden_size
+
+
+def attention_flops_per_token(cfg: DictConfig) -> float:
+    """Causal attention, forward + backward, per token, all layers (model-FLOPs convention)."""
+    m = cfg.model
+    d = m.kv_channels or m.hidden_size // m.num_attention_heads
+    return 6.0 * cfg.data.seq_len * m.num_attention_heads * d * m.num_layers
+
+
+def model_flops_per_token(cfg: DictConfig) -> float:
+    if cfg.peft.name in ("lora", "qlora"):
+        return 4.0 * n_prime(cfg)
+    return 6.0 * n_prime(cfg) + attention_flops_per_token(cfg)
+
+
+@dataclass
+class Work:
+    """FLOPs one GPU of a pipeline rank executes for one micro-batch."""
+
+    gemm_quant: float = 0.0  # in the FP8/FP4 recipe's precision
+    gemm_base: float = 0.0  # in params_dtype (LM head, first/last bf16 layers, adapters)
+    attention: float = 0.0
+    layers: int = 0
+
+
+def micro_batch_work(cfg: DictConfig, pp_rank: int) -> Work:
+    m, p = cfg.model, cfg.parallel
+    tp = p.tp
+    tokens = cfg.data.seq_len // p.cp * cfg.train.micro_batch_size
+    full = cfg.peft.name == "none"
+    recompute_fwd = 1 if p.recompute == "full" else 0
+    passes = (3 if full else 2) + recompute_fwd  # forward, dgrad, (wgrad), (recomputed forward)
+    shapes = linear_shapes(m, tp)
+    lin = sum(o * i for o, i in shapes.values())
+    adapters = sum(cfg.peft.r * (o + i) for t, (o, i) in shapes.items() if t in lora_targets(cfg))
+    split = split_layers(m.num_layers, p.pp, p.vp)
+    offsets = split.offsets[pp_rank]
+    quant = bool(cfg.precision.fp8_recipe or cfg.precision.fp4_recipe)
+    keep = cfg.precision.first_last_bf16_layers
+    w = Work(layers=sum(split[pp_rank]))
+    for v, n in enumerate(split[pp_rank]):
+        for layer in range(offsets[v], offsets[v] + n):
+            flops = 2.0 * tokens * lin * passes
+            if quant and keep <= layer < m.num_layers - keep:
+                w.gemm_quant += flops
+            else:
+                w.gemm_base += flops
+    w.gemm_base += 2.0 * tokens * adapters * (3 + recompute_fwd) * w.layers
+    d = m.kv_channels or m.hidden_size // m.num_attention_heads
+    fwd = 2.0 * tokens * cfg.data.seq_len * m.num_attention_heads * d / tp
+    if cfg.cluster.device == "cpu":
+        fwd *= 2  # the local spec computes the full s x s scores, masked
+    w.attention = fwd * (1 + FLASH_BWD + (1 if p.recompute != "none" else 0)) * w.layers
+    if pp_rank == p.pp - 1:
+        head = 2.0 * tokens * padded_vocab(m.vocab_size, tp) // tp * m.hidden_size
+        w.gemm_base += head * (3 if full else 2)
+    return w

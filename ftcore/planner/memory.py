@@ -1,0 +1,204 @@
+"""Bytes per GPU of one pipeline rank: weights, gradients, optimizer state, activations, reserve.
+
+Model state is replayed the way megatron allocates it, so it is exact on CPU:
+- trainable parameters live in megatron DDP's contiguous buffers, one per model chunk: with the
+  distributed optimizer every parameter starts at a multiple of 64 elements and the buffer is padded
+  to a multiple of lcm(dp*cp, 128); parameters and fp32 gradients both use that padded size;
+- the distributed optimizer gives rank i elements [i*n/dp, (i+1)*n/dp) of the buffer and keeps fp32
+  main params (bf16 models only; fp32 models use views) and Adam's two moments for the parameter
+  elements inside that range; without it every rank keeps them for all trainable elements;
+- frozen parameters (LoRA's base) keep their own storage and have no gradient or optimizer state;
+- FP8/FP4 (GPU): TE caches the quantized weights between micro-batches (data, plus a transposed
+  copy on Hopper where FP8 GEMMs need the TN layout); with `precision.fp8_param_gather` the weights
+  are stored quantized instead of in bf16. QLoRA keeps frozen linears in NF4.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig
+
+from ftcore.planner import activations as act
+from ftcore.planner.layers import split_layers
+from ftcore.planner.params import Param, rank_params
+
+GiB = 1024**3
+GRAD_REDUCE_IN_FP32 = True  # ftcore.models.builder.wrap_ddp: gradients accumulate and reduce in fp32
+PARAM_ALIGN = 64  # megatron param_and_grad_buffer: params start 128-byte aligned (64 values)
+
+
+@dataclass
+class StageMemory:
+    pp_rank: int
+    layers: int
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    reserve: int
+    parts: dict = field(default_factory=dict)  # finer terms (bytes) for the table and the tests
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations + self.reserve
+
+    def largest(self) -> tuple[str, int]:
+        terms = {k: getattr(self, k) for k in ("weights", "grads", "optimizer", "activations")}
+        return max(terms.items(), key=lambda kv: kv[1])
+
+
+def _pad(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def buffer_layout(params: list[Param], dp: int, distributed: bool) -> tuple[list[tuple[int, int]], int]:
+    """(start, end) of each trainable param in megatron's DDP buffer (filled in reverse order) and
+    the buffer's padded size. One bucket: ftcore runs DDP without overlapped grad reduction."""
+    starts, pos = [], 0
+    for p in reversed(params):
+        if distributed:
+            pos = _pad(pos, PARAM_ALIGN)
+        starts.append((pos, pos + p.numel))
+        pos += p.numel
+    size = _pad(pos, math.lcm(dp, 128)) if distributed else pos
+    return starts, size
+
+
+def _shard_elements(ranges: list[tuple[int, int]], size: int, dp: int, dp_rank: int) -> tuple[int, int]:
+    """(parameter elements, parameter tensors) inside dp rank's shard of the buffer."""
+    lo, hi = size // dp * dp_rank, size // dp * (dp_rank + 1)
+    elems = tensors = 0
+    for a, b in ranges:
+        n = min(b, hi) - max(a, lo)
+        if n > 0:
+            elems += n
+            tensors += 1
+    return elems, tensors
+
+
+def quantized_weight_bytes(cfg: DictConfig) -> float:
+    """Bytes per element TE keeps for a quantized linear weight (0 when not quantized)."""
+    pr, c = cfg.precision, cfg.cluster
+    if c.device == "cpu" or not (pr.fp8_recipe or pr.fp4_recipe):
+        return 0.0
+    hopper = (c.compute_capability or 9.0) < 10.0
+    if pr.fp4_recipe:  # NVFP4: 4-bit data + an FP8 scale per 16, row- and column-wise
+        return 2 * (0.5 + 1 / 16)
+    recipe = pr.fp8_recipe
+    if recipe == "mxfp8":  # E8M0 scale per 32, row- and column-wise copies
+        return 2 * (1 + 1 / 32)
+    if recipe == "blockwise":  # fp32 scale per 128 (1x128 / 128x128), both orientations
+        return 2 * (1 + 4 / 128)
+    return 2.0 if hopper else 1.0  # per-tensor scaling: transpose cache only where GEMMs need TN
+
+
+def _quantized_layer(cfg: DictConfig, name: str) -> bool:
+    """Linears of transformer layers outside the first/last `first_last_bf16_layers` are quantized."""
+    if not name.startswith("layers."):
+        return False
+    n = cfg.precision.first_last_bf16_layers
+    layer = int(name.split(".")[1])
+    return n <= layer < cfg.model.num_layers - n
+
+
+def nf4_bytes(double_quant: bool, block: int = 64) -> float:
+    """bitsandbytes NF4: 4 bits per value + an absmax per 64 (fp32, or 8-bit + fp32 per 256 blocks)."""
+    return 0.5 + (1 / block + 4 / (block * 256) if double_quant else 4 / block)
+
+
+def model_state(cfg: DictConfig, pp_rank: int, dp: int, dp_rank: int = 0) -> dict[str, int]:
+    """Weights, grads and optimizer bytes of one rank; `dp` counts dp*cp (megatron's dp_cp group)."""
+    pr, p = cfg.precision, cfg.parallel
+    pb = act.DTYPE_BYTES[pr.params_dtype]
+    gb = 4 if GRAD_REDUCE_IN_FP32 else pb
+    qbytes = quantized_weight_bytes(cfg)
+    param_gather = qbytes > 0 and bool(pr.fp8_param_gather)
+    qlora = cfg.peft.name == "qlora"
+    on_cpu = cfg.cluster.device == "cpu"
+    out = dict(weights=0, grads=0, optimizer=0, frozen=0, trainable=0, quantized_cache=0, elements=0)
+    for chunk in rank_params(cfg, pp_rank):
+        trainable = [q for q in chunk if q.trainable]
+        for q in chunk:
+            out["elements"] += q.numel
+            quant = q.kind == "linear" and _quantized_layer(cfg, q.name)
+            if quant and qbytes:
+                if param_gather:  # stored quantized; no bf16 copy on the GPU
+                    out["quantized_cache"] += int(q.numel * (qbytes - 1 if q.trainable else qbytes))
+                else:
+                    out["quantized_cache"] += int(q.numel * qbytes)
+            if not q.trainable:
+                if qlora and q.kind == "linear":
+                    nbytes = int(q.numel * nf4_bytes(cfg.peft.double_quant))
+                elif quant and param_gather:
+                    nbytes = 0  # counted in quantized_cache
+                else:
+                    nbytes = q.numel * pb
+                out["frozen"] += nbytes
+        if not trainable:
+            continue
+        ranges, size = buffer_layout(trainable, dp, p.distributed_optimizer)
+        tb = 1 if param_gather else pb
+        out["trainable"] += (size if p.distributed_optimizer else sum(q.numel for q in trainable)) * tb
+        out["grads"] += size * gb
+        if p.distributed_optimizer:
+            elems, tensors = _shard_elements(ranges, size, dp, dp_rank)
+        else:
+            elems, tensors = sum(q.numel for q in trainable), len(trainable)
+        main = 4 if (pb != 4 or param_gather) else 0  # fp32 master copy of bf16/fp8 weights
+        out["optimizer"] += elems * (main + 8) + (tensors * 4 if on_cpu else 0)  # + torch Adam's step
+    out["weights"] = out["frozen"] + out["trainable"] + out["quantized_cache"]
+    return out
+
+
+def stage_memory(cfg: DictConfig, world: int, pp_rank: int, micro_batch: int | None = None) -> StageMemory:
+    p, t = cfg.parallel, cfg.train
+    dp = world // (p.tp * p.pp * p.cp)
+    mbs = micro_batch or t.micro_batch_size
+    num_micro = max(1, t.global_batch_size // (mbs * max(dp, 1)))
+    state = model_state(cfg, pp_rank, max(dp, 1) * p.cp)
+    sh = act.shape_of(cfg, mbs)
+    layer = act.layer_bytes(sh)
+    layer_mb, inputs = act.in_flight_layers(cfg, pp_rank, num_micro)
+    last = pp_rank == p.pp - 1
+    saved = layer * layer_mb
+    loss = sum(act.loss_bytes(sh).values()) if last else 0
+    # The schedule keeps each in-flight micro-batch's stage input; the first layer saves that same
+    # tensor (TE's norm, the recompute checkpoint, fp32 norms) except ftcore's RMSNorm on a bf16
+    # input, which saves an fp32 copy. On CPU outputs are not deallocated: they stay too.
+    boundary = sh.tokens * sh.hs * sh.ab
+    pipe = 0
+    if sh.impl == "local":
+        received = inputs - (1 if pp_rank == 0 and inputs else 0)
+        pipe = boundary * (received if sh.ab != 4 and sh.recompute != "full" else 0)
+        pipe += boundary * (inputs - (1 if last and inputs else 0))
+    mask = sh.b * sh.s * sh.s if sh.impl == "local" else 0  # the boolean causal/segment mask
+    transient = act.transient_bytes(sh, last)
+    activations = saved + loss + pipe + mask + transient
+    split = split_layers(cfg.model.num_layers, p.pp, p.vp)
+    return StageMemory(
+        pp_rank=pp_rank,
+        layers=sum(split[pp_rank]),
+        weights=state["weights"],
+        grads=state["grads"],
+        optimizer=state["optimizer"],
+        activations=activations,
+        reserve=int(cfg.cluster.reserve_gib * GiB),
+        parts=dict(
+            frozen_weights=state["frozen"],
+            trainable_weights=state["trainable"],
+            quantized_weights=state["quantized_cache"],
+            layer_activation=layer,
+            layers_in_flight=layer_mb,
+            saved_activations=saved,
+            loss_activations=loss,
+            pipeline_buffers=pipe + mask,
+            transient=transient,
+            elements=state["elements"],
+        ),
+    )
+
+
+def all_stages(cfg: DictConfig, world: int, micro_batch: int | None = None) -> list[StageMemory]:
+    return [stage_memory(cfg, world, r, micro_batch) for r in range(cfg.parallel.pp)]

@@ -1,0 +1,50 @@
+"""The plan as a human-readable table (plan.format=table)."""
+
+from __future__ import annotations
+
+TERMS = ("weights", "grads", "optimizer", "activations", "reserve", "total")
+
+
+def table(p: dict, ranked: list[dict] | None = None) -> str:
+    lay = p["layout"]
+    lines = [
+        f"plan: {p['model']} {p['peft']} {p['precision']} on {p['num_gpus']} x {p['cluster']} "
+        f"({p['gpu_mem_gib']:.1f} GiB each)",
+        "layout: "
+        + " ".join(f"{k}={v}" for k, v in lay.items()),
+        "",
+        "memory per GPU (GiB)  " + "".join(f"{t:>12}" for t in TERMS) + "   layers",
+    ]
+    for s in p["stages"]:
+        mem = s["memory_gib"]
+        mark = " <- worst" if s["pp_rank"] == p["worst_stage"] and len(p["stages"]) > 1 else ""
+        lines.append(
+            f"  pp stage {s['pp_rank']:<11}" + "".join(f"{mem[t]:12.2f}" for t in TERMS)
+            + f"   {s['layers']:>6}{mark}"
+        )
+    w = p["stages"][p["worst_stage"]]["parts"]
+    lines += [
+        "",
+        f"worst stage detail: frozen weights {w['frozen_weights']:.2f}, trainable weights "
+        f"{w['trainable_weights']:.2f}, quantized weight copies {w['quantized_weights']:.2f}; "
+        f"activations = {w['layer_activation'] * 1024:.1f} MiB/layer x {w['layers_in_flight']} "
+        f"layer-microbatches in flight + loss {w['loss_activations']:.2f} + pipeline buffers "
+        f"{w['pipeline_buffers']:.2f} + transient {w['transient']:.2f}",
+        f"fits: {'yes' if p['fits'] else 'NO'} ({p['memory_gib']['total']:.1f} of "
+        f"{p['gpu_mem_gib']:.1f} GiB); fewest GPUs that fit: {p['gpus_needed']}",
+        f"speed: {p['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, {p['model_tflops_per_gpu']:.0f} model "
+        f"TFLOP/s/GPU, MFU {100 * p['mfu']:.1f}% ({p['mfu_basis']}); step {p['step_time_s']:.2f} s = "
+        + ", ".join(f"{k} {v:.3f}" for k, v in p["step_time_parts_s"].items() if v),
+    ]
+    if ranked is not None:
+        lines += ["", "layouts that fit, fastest first:"]
+        lines.append("    tp  pp  vp  cp  dp mbs recompute    GiB  tokens/s/GPU   MFU")
+        for r in ranked:
+            lines.append(
+                f"  {r['tp']:>4}{r['pp']:>4}{r['vp']:>4}{r['cp']:>4}{r['dp']:>4}{r['micro_batch_size']:>4} "
+                f"{r['recompute']:<10}{r['memory_gib']:>6.1f}{r['tokens_per_s_per_gpu']:>14.0f}"
+                f"{100 * r['mfu']:>6.1f}"
+            )
+        if not ranked:
+            lines.append("  (none)")
+    return "\n".join(lines)

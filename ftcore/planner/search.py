@@ -1,0 +1,119 @@
+"""Enumerate layouts (tp, pp, vp, cp, dp, micro batch, recompute) and rank those that fit.
+
+Candidates respect what megatron and ftcore's validation accept: tp divides heads, kv groups and
+the ffn and stays inside one NVLink domain; the layers split over pp*vp (evenly or the megatron
+way); cp halves the sequence into 2*cp chunks; the global batch divides by micro batch x dp, and
+the interleaved schedule gets a multiple of pp micro-batches.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from omegaconf import DictConfig, OmegaConf
+
+from ftcore.errors import FtcoreError
+from ftcore.planner.layers import split_layers
+from ftcore.planner.memory import GiB, all_stages
+from ftcore.planner.throughput import throughput
+
+POW2 = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _with(cfg: DictConfig, **parallel) -> DictConfig:
+    new = copy.deepcopy(cfg)
+    OmegaConf.set_struct(new, False)
+    mb = parallel.pop("micro_batch_size", None)
+    for k, v in parallel.items():
+        new.parallel[k] = v
+    if mb is not None:
+        new.train.micro_batch_size = mb
+    new.parallel.sp = new.parallel.tp > 1
+    return new
+
+
+def _tp_options(cfg: DictConfig) -> list[int]:
+    m, c = cfg.model, cfg.cluster
+    limit = max(min(c.nvlink_domain, c.gpus_per_node), 1)
+    return [
+        t
+        for t in POW2
+        if t <= limit
+        and m.num_attention_heads % t == 0
+        and m.num_query_groups % t == 0
+        and m.ffn_hidden_size % t == 0
+    ]
+
+
+def _splits(num_layers: int, pp: int, vp: int) -> bool:
+    try:
+        split_layers(num_layers, pp, vp)
+    except FtcoreError:
+        return False
+    return True
+
+
+def layouts(cfg: DictConfig, world: int, *, vary_recompute: bool = True):
+    """Every accepted (tp, pp, vp, cp, micro batch, recompute) for `world` GPUs."""
+    m, t = cfg.model, cfg.train
+    gpu = cfg.cluster.device != "cpu"
+    cps = [c for c in (1, 2, 4, 8) if cfg.data.seq_len % (2 * c) == 0] if gpu else [1]
+    recomputes = ("none", "selective", "full") if vary_recompute else (cfg.parallel.recompute,)
+    for tp in _tp_options(cfg):
+        for cp in cps:
+            for pp in [p for p in POW2 if p <= m.num_layers]:
+                if world % (tp * cp * pp):
+                    continue
+                dp = world // (tp * cp * pp)
+                for mbs in (1, 2, 4):
+                    if t.global_batch_size % (mbs * dp):
+                        continue
+                    micro = t.global_batch_size // (mbs * dp)
+                    vps = [1] + ([v for v in (2, 4, 5, 8, 10, 20) if micro % pp == 0] if pp > 1 else [])
+                    for vp in vps:
+                        if not _splits(m.num_layers, pp, vp):
+                            continue
+                        for rc in recomputes:
+                            yield dict(tp=tp, pp=pp, vp=vp, cp=cp, micro_batch_size=mbs, recompute=rc)
+
+
+def fits(cfg: DictConfig, world: int) -> tuple[bool, float]:
+    worst = max(all_stages(cfg, world), key=lambda s: s.total)
+    return worst.total <= cfg.cluster.gpu_mem_gib * GiB, worst.total / GiB
+
+
+def search(cfg: DictConfig, world: int, top: int = 10) -> list[dict]:
+    """Layouts that fit on `world` GPUs, fastest first."""
+    rows = []
+    for lay in layouts(cfg, world):
+        c = _with(cfg, **lay)
+        ok, total = fits(c, world)
+        if not ok:
+            continue
+        speed = throughput(c, world)
+        rows.append(
+            dict(
+                lay,
+                dp=world // (lay["tp"] * lay["pp"] * lay["cp"]),
+                memory_gib=total,
+                tokens_per_s_per_gpu=speed["tokens_per_s_per_gpu"],
+                mfu=speed["mfu"],
+            )
+        )
+    rows.sort(key=lambda r: -r["tokens_per_s_per_gpu"])
+    return rows[:top]
+
+
+def smallest_fit(cfg: DictConfig, max_gpus: int = 4096) -> int | None:
+    """Fewest GPUs (a power of two, or whole nodes beyond one node) on which some layout fits,
+    keeping the config's precision, PEFT, sequence and batch sizes."""
+    per_node = max(cfg.cluster.gpus_per_node, 1)
+    counts = [n for n in POW2 if n < per_node] + [per_node * k for k in POW2 if per_node * k <= max_gpus]
+    keep_dp = copy.deepcopy(cfg)
+    for n in counts:
+        for lay in layouts(keep_dp, n):
+            if lay["recompute"] != "full" or lay["micro_batch_size"] != 1:
+                continue  # the most frugal settings decide whether n GPUs can hold it
+            if fits(_with(cfg, **lay), n)[0]:
+                return n
+    return None

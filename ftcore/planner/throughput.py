@@ -1,0 +1,157 @@
+"""Step time and tokens/s/GPU of a layout, from per-GPU constants in conf/cluster/*.yaml.
+
+One micro-batch on one pipeline rank costs
+  GEMMs / (peak[precision] * matmul_efficiency)      FP8/FP4 where the recipe quantizes, else bf16
++ attention / (peak[bf16] * attention_efficiency)    flash attention stays in bf16
++ elementwise bytes / HBM bandwidth                  norms, RoPE, SwiGLU, residuals, FP8 casts, loss
++ exposed tensor- and context-parallel traffic       over NVLink (or the network beyond the domain)
+and a step is (micro-batches + (pp - 1) / vp) of the slowest rank's micro-batch (1F1B or
+interleaved pipeline bubble), plus the exposed pipeline sends, the data-parallel gradient
+reduce-scatter / parameter all-gather, the optimizer's pass over its shard, and a fixed overhead.
+The constants are per GPU type; the fractions below are the same for every GPU. Calibrated once
+against shared/anchors/published_throughput.csv (tests/unit/test_planner_throughput.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from ftcore.planner import activations as act
+from ftcore.planner.flops import micro_batch_work, model_flops_per_token
+from ftcore.planner.memory import GRAD_REDUCE_IN_FP32, model_state
+
+LINK_EFFICIENCY = 0.8  # achievable fraction of a link's bandwidth in NCCL collectives
+HBM_EFFICIENCY = 0.7  # achievable fraction of HBM bandwidth for elementwise kernels
+TP_EXPOSED = 0.7  # tensor-parallel collectives not hidden behind GEMMs (TE comm overlap)
+CP_EXPOSED = 0.3  # context-parallel KV exchange not hidden behind attention
+P2P_EXPOSED = 0.5  # pipeline sends not hidden (overlapped in the interleaved schedule)
+DP_EXPOSED = 0.2  # gradient reduce / param gather not hidden behind backward / forward
+OPTIM_BYTES = 40  # bytes moved per optimizer element: param, grad, main, 2 moments, read + write
+
+
+@dataclass
+class StepTime:
+    compute_s: float  # micro-batches x slowest rank's micro-batch
+    bubble_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+    optimizer_s: float
+    overhead_s: float
+
+    @property
+    def total(self) -> float:
+        return (
+            self.compute_s
+            + self.bubble_s
+            + self.tp_comm_s
+            + self.pp_comm_s
+            + self.dp_comm_s
+            + self.optimizer_s
+            + self.overhead_s
+        )
+
+
+def _peak(cfg: DictConfig, precision: str) -> float:
+    """Dense FLOP/s of the cluster's GPU at `precision` (falls back to bf16, then fp32)."""
+    peaks = cfg.cluster.peak_tflops
+    for key in (precision, "bf16", "fp32"):
+        if key in peaks and peaks[key]:
+            return float(peaks[key]) * 1e12
+    raise ValueError(f"cluster {cfg.cluster.name} has no peak_tflops")
+
+
+def _base_precision(cfg: DictConfig) -> str:
+    return cfg.precision.params_dtype
+
+
+def _quant_precision(cfg: DictConfig) -> str:
+    return "fp4" if cfg.precision.fp4_recipe else "fp8"
+
+
+def _link(cfg: DictConfig, group_span: int) -> float:
+    """Bytes/s per GPU for a group spanning `group_span` consecutive ranks."""
+    c = cfg.cluster
+    gbps = c.nvlink_gbps if group_span <= max(c.nvlink_domain, 1) else c.network_gbps
+    return max(gbps, 1e-3) * 1e9 * LINK_EFFICIENCY
+
+
+def elementwise_bytes(sh: act.Shape) -> float:
+    """HBM bytes of the memory-bound kernels of one layer, one micro-batch, forward + backward."""
+    t, ab, T = sh.tp, sh.ab, sh.tokens
+    fwd = ab * (10 * sh.hs + 2 * (sh.q + sh.kv) / t + 3 * sh.f / t)
+    cast = 0.0
+    if sh.fp8:  # quantize the inputs TE cannot fuse into the norm (proj, fc2) and the output
+        # gradients of the four linears; read bf16, write FP8 (+ its transpose, fused)
+        cast = (ab + 2) * ((sh.q + sh.f) / t + (sh.q + 2 * sh.kv + 2 * sh.f) / t + 2 * sh.hs)
+    return T * (3 * fwd + cast)
+
+
+def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
+    """(compute seconds, exposed TP/CP seconds) of one micro-batch on one pipeline rank."""
+    c, p = cfg.cluster, cfg.parallel
+    w = micro_batch_work(cfg, pp_rank)
+    sh = act.shape_of(cfg)
+    base = _peak(cfg, _base_precision(cfg))
+    t = w.gemm_base / (base * c.matmul_efficiency)
+    if w.gemm_quant:
+        t += w.gemm_quant / (_peak(cfg, _quant_precision(cfg)) * c.matmul_efficiency)
+    attn_rate = base * (c.attention_efficiency if c.device != "cpu" else c.matmul_efficiency)
+    t += w.attention / attn_rate
+    hbm = max(c.hbm_gbps, 1e-3) * 1e9 * HBM_EFFICIENCY
+    t += w.layers * elementwise_bytes(sh) / hbm
+    if pp_rank == p.pp - 1:
+        t += sh.tokens * sh.vocab / sh.tp * 20 / hbm  # logits, fp32 softmax, its gradient
+    passes = 2 + (1 if p.recompute == "full" else 0)
+    comm = 0.0
+    if p.tp > 1:
+        vol = 4 * (p.tp - 1) / p.tp * sh.tokens * sh.h * sh.ab * passes * w.layers
+        comm += TP_EXPOSED * vol / _link(cfg, p.tp)
+    if p.cp > 1:
+        vol = 3 * (p.cp - 1) * sh.tokens * 2 * sh.kv / p.tp * sh.ab * w.layers
+        comm += CP_EXPOSED * vol / _link(cfg, p.tp * p.cp)
+    return t, comm
+
+
+def step_time(cfg: DictConfig, world: int) -> StepTime:
+    c, p, tr = cfg.cluster, cfg.parallel, cfg.train
+    dp = max(world // (p.tp * p.pp * p.cp), 1)
+    m = max(tr.global_batch_size // (tr.micro_batch_size * dp), 1)
+    per_rank = [micro_batch_time(cfg, r) for r in range(p.pp)]
+    slowest = max(a + b for a, b in per_rank)
+    compute = m * max(a for a, _ in per_rank)
+    tp_comm = m * max(b for _, b in per_rank)  # exposed TP/CP traffic
+    bubble = (p.pp - 1) / p.vp * slowest if p.pp > 1 else 0.0
+    sh = act.shape_of(cfg)
+    pp_comm = 0.0
+    if p.pp > 1:
+        sends = 2 * p.vp * m * sh.tokens * sh.hs * sh.ab
+        pp_comm = P2P_EXPOSED * sends / _link(cfg, p.tp * p.cp * dp * p.pp)
+    dp_comm = opt = 0.0
+    dpc = dp * p.cp
+    worst = max((model_state(cfg, r, dpc) for r in range(p.pp)), key=lambda s: s["grads"])
+    if dpc > 1 and worst["grads"]:
+        grads, params = worst["grads"], worst["trainable"]
+        vol = (dpc - 1) / dpc * ((grads + params) if p.distributed_optimizer else 2 * grads)
+        dp_comm = DP_EXPOSED * vol / _link(cfg, p.tp * p.cp * dp)
+    elems = worst["grads"] // (4 if GRAD_REDUCE_IN_FP32 else act.DTYPE_BYTES[cfg.precision.params_dtype])
+    elems //= dpc if p.distributed_optimizer else 1
+    opt = elems * OPTIM_BYTES / (max(c.hbm_gbps, 1e-3) * 1e9 * HBM_EFFICIENCY)
+    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, opt, c.step_overhead_s)
+
+
+def throughput(cfg: DictConfig, world: int) -> dict:
+    st = step_time(cfg, world)
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    tps = tokens / st.total / world
+    tflops = tps * model_flops_per_token(cfg) / 1e12
+    peak_bf16 = _peak(cfg, "bf16") / 1e12
+    return {
+        "step_time_s": st.total,
+        "tokens_per_s_per_gpu": tps,
+        "model_tflops_per_gpu": tflops,
+        "mfu": tflops / peak_bf16,
+        "time": st,
+    }
