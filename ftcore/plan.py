@@ -22,7 +22,9 @@ def task(cfg: DictConfig) -> int:
     from ftcore.planner.search import search
 
     if cfg.plan.format not in ("table", "json"):
-        raise FtcoreError(f"unknown format {cfg.plan.format!r}", field="plan.format", fix="table or json")
+        raise FtcoreError(
+            f"unknown format {cfg.plan.format!r}", field="plan.format", fix="table or json"
+        )
     p = cfg.parallel
     split_layers(cfg.model.num_layers, p.pp, p.vp)
     world = planner.world_of(cfg)

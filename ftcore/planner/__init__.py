@@ -9,8 +9,8 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
-from ftcore.planner.memory import GiB, StageMemory, all_stages
 from ftcore.planner import throughput as _throughput
+from ftcore.planner.memory import GiB, StageMemory, all_stages
 
 __all__ = ["check_fit", "plan", "gpus_needed"]
 
@@ -66,7 +66,10 @@ def _stage_json(s: StageMemory) -> dict:
             "reserve": s.reserve / GiB,
             "total": s.total / GiB,
         },
-        "parts": {k: (v / GiB if isinstance(v, int) and k not in _COUNTS else v) for k, v in s.parts.items()},
+        "parts": {
+            k: (v / GiB if isinstance(v, int) and k not in _COUNTS else v)
+            for k, v in s.parts.items()
+        },
     }
 
 

@@ -25,7 +25,9 @@ from ftcore.planner.layers import split_layers
 from ftcore.planner.params import Param, rank_params
 
 GiB = 1024**3
-GRAD_REDUCE_IN_FP32 = True  # ftcore.models.builder.wrap_ddp: gradients accumulate and reduce in fp32
+GRAD_REDUCE_IN_FP32 = (
+    True  # ftcore.models.builder.wrap_ddp: gradients accumulate and reduce in fp32
+)
 PARAM_ALIGN = 64  # megatron param_and_grad_buffer: params start 128-byte aligned (64 values)
 
 
@@ -53,7 +55,9 @@ def _pad(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def buffer_layout(params: list[Param], dp: int, distributed: bool) -> tuple[list[tuple[int, int]], int]:
+def buffer_layout(
+    params: list[Param], dp: int, distributed: bool
+) -> tuple[list[tuple[int, int]], int]:
     """(start, end) of each trainable param in megatron's DDP buffer (filled in reverse order) and
     the buffer's padded size. One bucket: ftcore runs DDP without overlapped grad reduction."""
     starts, pos = [], 0
@@ -66,7 +70,9 @@ def buffer_layout(params: list[Param], dp: int, distributed: bool) -> tuple[list
     return starts, size
 
 
-def _shard_elements(ranges: list[tuple[int, int]], size: int, dp: int, dp_rank: int) -> tuple[int, int]:
+def _shard_elements(
+    ranges: list[tuple[int, int]], size: int, dp: int, dp_rank: int
+) -> tuple[int, int]:
     """(parameter elements, parameter tensors) inside dp rank's shard of the buffer."""
     lo, hi = size // dp * dp_rank, size // dp * (dp_rank + 1)
     elems = tensors = 0
@@ -117,7 +123,9 @@ def model_state(cfg: DictConfig, pp_rank: int, dp: int, dp_rank: int = 0) -> dic
     param_gather = qbytes > 0 and bool(pr.fp8_param_gather)
     qlora = cfg.peft.name == "qlora"
     on_cpu = cfg.cluster.device == "cpu"
-    out = dict(weights=0, grads=0, optimizer=0, frozen=0, trainable=0, quantized_cache=0, elements=0)
+    out = dict(
+        weights=0, grads=0, optimizer=0, frozen=0, trainable=0, quantized_cache=0, elements=0
+    )
     for chunk in rank_params(cfg, pp_rank):
         trainable = [q for q in chunk if q.trainable]
         for q in chunk:
@@ -140,19 +148,25 @@ def model_state(cfg: DictConfig, pp_rank: int, dp: int, dp_rank: int = 0) -> dic
             continue
         ranges, size = buffer_layout(trainable, dp, p.distributed_optimizer)
         tb = 1 if param_gather else pb
-        out["trainable"] += (size if p.distributed_optimizer else sum(q.numel for q in trainable)) * tb
+        out["trainable"] += (
+            size if p.distributed_optimizer else sum(q.numel for q in trainable)
+        ) * tb
         out["grads"] += size * gb
         if p.distributed_optimizer:
             elems, tensors = _shard_elements(ranges, size, dp, dp_rank)
         else:
             elems, tensors = sum(q.numel for q in trainable), len(trainable)
         main = 4 if (pb != 4 or param_gather) else 0  # fp32 master copy of bf16/fp8 weights
-        out["optimizer"] += elems * (main + 8) + (tensors * 4 if on_cpu else 0)  # + torch Adam's step
+        out["optimizer"] += elems * (main + 8) + (
+            tensors * 4 if on_cpu else 0
+        )  # + torch Adam's step
     out["weights"] = out["frozen"] + out["trainable"] + out["quantized_cache"]
     return out
 
 
-def stage_memory(cfg: DictConfig, world: int, pp_rank: int, micro_batch: int | None = None) -> StageMemory:
+def stage_memory(
+    cfg: DictConfig, world: int, pp_rank: int, micro_batch: int | None = None
+) -> StageMemory:
     p, t = cfg.parallel, cfg.train
     dp = world // (p.tp * p.pp * p.cp)
     mbs = micro_batch or t.micro_batch_size

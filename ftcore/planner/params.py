@@ -56,7 +56,12 @@ def lora_targets(cfg: DictConfig) -> list[str]:
 def linear_shapes(m: DictConfig, tp: int) -> dict[str, tuple[int, int]]:
     """(out, in) of each layer linear on one TP rank."""
     d = m.kv_channels or m.hidden_size // m.num_attention_heads
-    q, kv, h, f = m.num_attention_heads * d, m.num_query_groups * d, m.hidden_size, m.ffn_hidden_size
+    q, kv, h, f = (
+        m.num_attention_heads * d,
+        m.num_query_groups * d,
+        m.hidden_size,
+        m.ffn_hidden_size,
+    )
     return {
         "linear_qkv": ((q + 2 * kv) // tp, h),
         "linear_proj": (h, q // tp),

@@ -10,8 +10,7 @@ def table(p: dict, ranked: list[dict] | None = None) -> str:
     lines = [
         f"plan: {p['model']} {p['peft']} {p['precision']} on {p['num_gpus']} x {p['cluster']} "
         f"({p['gpu_mem_gib']:.1f} GiB each)",
-        "layout: "
-        + " ".join(f"{k}={v}" for k, v in lay.items()),
+        "layout: " + " ".join(f"{k}={v}" for k, v in lay.items()),
         "",
         "memory per GPU (GiB)  " + "".join(f"{t:>12}" for t in TERMS) + "   layers",
     ]
@@ -19,7 +18,8 @@ def table(p: dict, ranked: list[dict] | None = None) -> str:
         mem = s["memory_gib"]
         mark = " <- worst" if s["pp_rank"] == p["worst_stage"] and len(p["stages"]) > 1 else ""
         lines.append(
-            f"  pp stage {s['pp_rank']:<11}" + "".join(f"{mem[t]:12.2f}" for t in TERMS)
+            f"  pp stage {s['pp_rank']:<11}"
+            + "".join(f"{mem[t]:12.2f}" for t in TERMS)
             + f"   {s['layers']:>6}{mark}"
         )
     w = p["stages"][p["worst_stage"]]["parts"]

@@ -69,12 +69,16 @@ def layouts(cfg: DictConfig, world: int, *, vary_recompute: bool = True):
                     if t.global_batch_size % (mbs * dp):
                         continue
                     micro = t.global_batch_size // (mbs * dp)
-                    vps = [1] + ([v for v in (2, 4, 5, 8, 10, 20) if micro % pp == 0] if pp > 1 else [])
+                    vps = [1] + (
+                        [v for v in (2, 4, 5, 8, 10, 20) if micro % pp == 0] if pp > 1 else []
+                    )
                     for vp in vps:
                         if not _splits(m.num_layers, pp, vp):
                             continue
                         for rc in recomputes:
-                            yield dict(tp=tp, pp=pp, vp=vp, cp=cp, micro_batch_size=mbs, recompute=rc)
+                            yield dict(
+                                tp=tp, pp=pp, vp=vp, cp=cp, micro_batch_size=mbs, recompute=rc
+                            )
 
 
 def fits(cfg: DictConfig, world: int) -> tuple[bool, float]:
@@ -108,7 +112,9 @@ def smallest_fit(cfg: DictConfig, max_gpus: int = 4096) -> int | None:
     """Fewest GPUs (a power of two, or whole nodes beyond one node) on which some layout fits,
     keeping the config's precision, PEFT, sequence and batch sizes."""
     per_node = max(cfg.cluster.gpus_per_node, 1)
-    counts = [n for n in POW2 if n < per_node] + [per_node * k for k in POW2 if per_node * k <= max_gpus]
+    counts = [n for n in POW2 if n < per_node] + [
+        per_node * k for k in POW2 if per_node * k <= max_gpus
+    ]
     keep_dp = copy.deepcopy(cfg)
     for n in counts:
         for lay in layouts(keep_dp, n):

@@ -136,7 +136,9 @@ def step_time(cfg: DictConfig, world: int) -> StepTime:
         grads, params = worst["grads"], worst["trainable"]
         vol = (dpc - 1) / dpc * ((grads + params) if p.distributed_optimizer else 2 * grads)
         dp_comm = DP_EXPOSED * vol / _link(cfg, p.tp * p.cp * dp)
-    elems = worst["grads"] // (4 if GRAD_REDUCE_IN_FP32 else act.DTYPE_BYTES[cfg.precision.params_dtype])
+    elems = worst["grads"] // (
+        4 if GRAD_REDUCE_IN_FP32 else act.DTYPE_BYTES[cfg.precision.params_dtype]
+    )
     elems //= dpc if p.distributed_optimizer else 1
     opt = elems * OPTIM_BYTES / (max(c.hbm_gbps, 1e-3) * 1e9 * HBM_EFFICIENCY)
     return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, opt, c.step_overhead_s)
