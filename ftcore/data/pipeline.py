@@ -1,0 +1,285 @@
+"""What the trainer calls: sources -> documents -> truncation -> rows -> DP-sharded micro-batches.
+
+The global order of rows does not depend on the DP size (ftcore.data.sampler), so every layout
+computes the same global batches; each DP rank takes its contiguous slice of each one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ftcore.config import assets_dir
+from ftcore.data.packing import MicroBatch, attention_mask_from_segments, make_microbatch
+from ftcore.data.sampler import Sampler, rng
+from ftcore.data.templates import Doc
+from ftcore.data.tokenized import Tokenized, tokenize_source
+from ftcore.errors import FtcoreError
+
+__all__ = [
+    "MicroBatch",
+    "TrainLoader",
+    "attention_mask_from_segments",
+    "build_train_loader",
+    "build_val_batches",
+]
+log = logging.getLogger("ftcore")
+
+
+def bundled_data(split: str) -> str:
+    return str(assets_dir() / "data" / f"{split}.jsonl")
+
+
+@dataclass
+class Docs:
+    """The documents a loader draws from, after truncation, and what happened on the way."""
+
+    docs: list[Doc] = field(default_factory=list)
+    source_ids: list[np.ndarray] = field(default_factory=list)  # doc ids of each source
+    truncated: int = 0
+    dropped: int = 0
+    bad_records: int = 0
+
+
+def _truncate(
+    docs: Docs, tok: Tokenized, picks: np.ndarray, seq_len: int, policy: str
+) -> np.ndarray:
+    """Append the picked documents of one source to `docs`; return their ids there."""
+    out = []
+    for i in picks:
+        d = tok.doc(int(i))
+        if len(d) > seq_len:
+            if policy == "drop":
+                docs.dropped += 1
+                continue
+            d = Doc(d.ids[:seq_len], d.targets[:seq_len])
+            if not d.targets[1:].any():  # nothing left to learn from
+                docs.dropped += 1
+                continue
+            docs.truncated += 1
+        out.append(len(docs.docs))
+        docs.docs.append(d)
+    return np.asarray(out, np.int64)
+
+
+def _check(cfg) -> None:
+    d = cfg.data
+    if d.truncate not in ("right", "drop"):
+        raise FtcoreError(
+            f"unknown truncation {d.truncate}", field="data.truncate", fix="use right or drop"
+        )
+    if d.on_bad_record not in ("error", "skip"):
+        raise FtcoreError(
+            f"unknown policy {d.on_bad_record}", field="data.on_bad_record", fix="use error or skip"
+        )
+    if not 0.0 <= d.val_fraction < 1.0:
+        raise FtcoreError(
+            f"{d.val_fraction} is not in [0, 1)", field="data.val_fraction", fix="use e.g. 0.05"
+        )
+    if d.seq_len < 2:
+        raise FtcoreError("seq_len must be at least 2", field="data.seq_len", fix="use e.g. 256")
+    if d.mix and d.path:
+        raise FtcoreError(
+            "data.path and data.mix are both set",
+            field="data.mix",
+            fix="list every source in data.mix",
+        )
+
+
+def _sources(cfg) -> list[tuple[str, float, str | None, str]]:
+    """(path, weight, format, config field) of every training source."""
+    if cfg.data.mix:
+        return [
+            (m.path, float(m.weight), m.get("format"), f"data.mix[{i}].path")
+            for i, m in enumerate(cfg.data.mix)
+        ]
+    return [(cfg.data.path or bundled_data("train"), 1.0, None, "data.path")]
+
+
+def _split(n: int, cfg) -> tuple[np.ndarray, np.ndarray]:
+    """(train ids, held-out ids) of a source of n documents, from data.val_fraction and the seed."""
+    perm = rng(cfg.run.seed, 4).permutation(n)
+    k = int(round(n * cfg.data.val_fraction))
+    return np.sort(perm[k:]), np.sort(perm[:k])
+
+
+def _load_train(cfg, tokenizer) -> tuple[Docs, list[int]]:
+    docs, sizes, weights = Docs(), [], []
+    for path, weight, fmt, fld in _sources(cfg):
+        if weight <= 0:
+            raise FtcoreError(
+                f"weight {weight} is not positive",
+                field=fld.replace(".path", ".weight"),
+                fix="use a weight > 0",
+            )
+        tok = tokenize_source(path, tokenizer, cfg.data, fmt, fld)
+        docs.bad_records += tok.bad_records
+        train_ids, _ = _split(len(tok), cfg)
+        ids = _truncate(docs, tok, train_ids, cfg.data.seq_len, cfg.data.truncate)
+        if len(ids) == 0:
+            raise FtcoreError(
+                f"every sample of {path} is longer than data.seq_len",
+                field="data.seq_len",
+                fix="raise data.seq_len or use data.truncate=right",
+            )
+        docs.source_ids.append(ids)
+        sizes.append(len(ids))
+        weights.append(weight)
+    total, wsum = sum(sizes), sum(weights)
+    counts = [max(1, int(round(total * w / wsum))) for w in weights] if len(sizes) > 1 else sizes
+    return docs, counts
+
+
+class TrainLoader:
+    """This DP rank's micro-batches, step after step, from the endless deterministic stream."""
+
+    def __init__(self, cfg, docs: Docs, counts: list[int], pad_id: int, dp_rank: int, dp_size: int):
+        t = cfg.train
+        per_rank = t.global_batch_size // dp_size
+        if t.global_batch_size % (t.micro_batch_size * dp_size):
+            raise FtcoreError(
+                f"global batch {t.global_batch_size} is not divisible by micro batch {t.micro_batch_size} x dp {dp_size}",
+                field="train.global_batch_size",
+                fix="pick a global batch that is a multiple of micro_batch_size * dp",
+            )
+        self.docs, self.pad_id, self.seq_len = docs, pad_id, cfg.data.seq_len
+        self.global_batch, self.micro, self.dp_rank, self.per_rank = (
+            t.global_batch_size,
+            t.micro_batch_size,
+            dp_rank,
+            per_rank,
+        )
+        lengths = np.asarray([len(d) for d in docs.docs], np.int64)
+        self.sampler = Sampler(
+            docs.source_ids, counts, lengths, cfg.data.seq_len, cfg.data.packing, cfg.run.seed
+        )
+        self.report = self._report()
+
+    def _report(self) -> dict:
+        rows = self.sampler.rows(0)
+        ids = [d for r in rows for d in r]
+        tokens = sum(len(self.docs.docs[d]) for d in ids)
+        targets = sum(int(self.docs.docs[d].targets[1:].sum()) for d in ids)
+        return {
+            "samples": len(ids),
+            "tokens": tokens,
+            "target_tokens": targets,
+            "dropped": self.docs.dropped,
+            "truncated": self.docs.truncated,
+            "bad_records": self.docs.bad_records,
+            "rows": len(rows),
+            "packing_efficiency": targets / max(1, len(rows) * self.seq_len),
+        }
+
+    def next_rows(self) -> list[list[int]]:
+        """This rank's rows of the next global batch (the whole global batch is consumed)."""
+        rows = self.sampler.take(self.global_batch)
+        return rows[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
+
+    def next_microbatches(self) -> list[MicroBatch]:
+        rows = self.next_rows()
+        return [
+            make_microbatch(
+                [[self.docs.docs[d] for d in r] for r in rows[i : i + self.micro]],
+                self.seq_len,
+                self.pad_id,
+            )
+            for i in range(0, len(rows), self.micro)
+        ]
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, d: dict) -> None:
+        self.sampler.load_state_dict(d)
+
+
+def log_report(report: dict, what: str = "train") -> None:
+    r = report
+    log.info(
+        "data (%s): %d samples, %d tokens, %d target tokens, %d rows; dropped %d, truncated %d, bad records %d; "
+        "packing efficiency %.1f%% (target tokens / slot tokens)",
+        what,
+        r["samples"],
+        r["tokens"],
+        r["target_tokens"],
+        r["rows"],
+        r["dropped"],
+        r["truncated"],
+        r["bad_records"],
+        100 * r["packing_efficiency"],
+    )
+
+
+def build_train_loader(cfg, tokenizer, dp_rank: int, dp_size: int) -> TrainLoader:
+    _check(cfg)
+    docs, counts = _load_train(cfg, tokenizer)
+    loader = TrainLoader(cfg, docs, counts, tokenizer.pad_token_id, dp_rank, dp_size)
+    log_report(loader.report)
+    return loader
+
+
+def _val_docs(cfg, tokenizer, path: str | None) -> Docs:
+    docs = Docs()
+    if path is None and cfg.data.val_path:
+        path = cfg.data.val_path
+    if path is not None:
+        tok = tokenize_source(path, tokenizer, cfg.data, None, "data.val_path")
+        picks = [np.arange(len(tok))]
+        toks = [tok]
+    elif cfg.data.val_fraction > 0:
+        toks = [tokenize_source(p, tokenizer, cfg.data, f, fld) for p, _, f, fld in _sources(cfg)]
+        picks = [_split(len(t), cfg)[1] for t in toks]
+    elif not cfg.data.path and not cfg.data.mix:
+        toks = [tokenize_source(bundled_data("val"), tokenizer, cfg.data, None, "data.val_path")]
+        picks = [np.arange(len(toks[0]))]
+    else:
+        return docs
+    for tok, p in zip(toks, picks):
+        docs.bad_records += tok.bad_records
+        docs.source_ids.append(_truncate(docs, tok, p, cfg.data.seq_len, cfg.data.truncate))
+    max_samples = cfg.eval.get("max_samples")
+    if max_samples:
+        docs.docs = docs.docs[:max_samples]
+    return docs
+
+
+def build_val_batches(
+    cfg, tokenizer, dp_rank: int, dp_size: int, path: str | None = None
+) -> list[list[MicroBatch]]:
+    """Eval global batches in a fixed order; each is this rank's micro-batches. The last global
+    batch is filled up with all-padding rows, so every rank runs the same number of micro-batches."""
+    _check(cfg)
+    docs = _val_docs(cfg, tokenizer, path)
+    if not docs.docs:
+        return []
+    if cfg.data.packing:
+        rows = [sorted(b) for b in _ffd(docs, cfg.data.seq_len)]
+        rows.sort(key=lambda r: r[0])
+    else:
+        rows = [[i] for i in range(len(docs.docs))]
+    g, micro = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    per_rank = g // dp_size
+    rows += [[] for _ in range(-len(rows) % g)]
+    out = []
+    for k in range(0, len(rows), g):
+        mine = rows[k + dp_rank * per_rank : k + (dp_rank + 1) * per_rank]
+        out.append(
+            [
+                make_microbatch(
+                    [[docs.docs[d] for d in r] for r in mine[i : i + micro]],
+                    cfg.data.seq_len,
+                    tokenizer.pad_token_id,
+                )
+                for i in range(0, len(mine), micro)
+            ]
+        )
+    return out
+
+
+def _ffd(docs: Docs, seq_len: int) -> list[list[int]]:
+    from ftcore.data.packing import first_fit_decreasing
+
+    return first_fit_decreasing([len(d) for d in docs.docs], seq_len)

@@ -1,0 +1,46 @@
+"""Which tokenizer a run uses: model.tokenizer, else model.hf_path, else the bundled tiny one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ftcore.config import assets_dir
+from ftcore.errors import FtcoreError
+
+
+def bundled_tokenizer_dir() -> Path:
+    return assets_dir() / "tokenizer"
+
+
+def tokenizer_source(cfg) -> tuple[str, str]:
+    """(directory, the config field it came from)."""
+    if cfg.model.get("tokenizer"):
+        return str(cfg.model.tokenizer), "model.tokenizer"
+    if cfg.model.get("hf_path"):
+        return str(cfg.model.hf_path), "model.hf_path"
+    return str(bundled_tokenizer_dir()), "model.tokenizer"
+
+
+def load_tokenizer(cfg):
+    """A transformers tokenizer with a pad token (the eos token when the tokenizer has none)."""
+    path, field = tokenizer_source(cfg)
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise FtcoreError(
+            f"tokenizer directory {path} does not exist",
+            field=field,
+            fix="point it at a local Hugging Face directory holding tokenizer.json / tokenizer_config.json",
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p))
+    except Exception as e:  # transformers raises many types (OSError, ValueError, JSON errors)
+        raise FtcoreError(
+            f"cannot load a tokenizer from {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            field=field,
+            fix="the directory needs tokenizer.json (or a sentencepiece model) and tokenizer_config.json",
+        ) from e
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
