@@ -197,6 +197,8 @@ def finish(status: int, nnodes: int, linger: float) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.dry_run:
+        args.linger = 0.0
     # Until the workers run, a signal (srun stopping the step because another node failed) is
     # only noted: every node then reports its own verdict, e.g. the same config error (2).
     early: list[int] = []
@@ -211,9 +213,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg = _compose(overrides)
         except FtcoreError as e:
             print(f"ftcore error: {e}", file=sys.stderr, flush=True)
-            nnodes = slurm_env.from_env(env, 1).nnodes
+            nnodes = slurm_env.from_env(env, 1, use_scontrol=False).nnodes
             return finish(EXIT_USER_ERROR, nnodes, args.linger)
-    layout = slurm_env.from_env(env, resolve_nproc(args.nproc_per_node, cfg, env))
+    nproc = resolve_nproc(args.nproc_per_node, cfg, env)
+    layout = slurm_env.from_env(env, nproc, use_scontrol=not args.dry_run)
     info = describe(layout, cfg, args.module, overrides)
     problems = check(layout, cfg) if cfg is not None else []
     if args.dry_run:

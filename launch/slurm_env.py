@@ -53,20 +53,20 @@ def expand_hostlist(spec: str) -> list[str]:
     return hosts
 
 
-def job_nodes(env: dict[str, str]) -> list[str]:
+def job_nodes(env: dict[str, str], use_scontrol: bool = True) -> list[str]:
     spec = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
     if not spec:
         return []
-    if shutil.which("scontrol"):
+    if use_scontrol and shutil.which("scontrol"):
         r = subprocess.run(["scontrol", "show", "hostnames", spec], capture_output=True, text=True)
         if r.returncode == 0 and r.stdout.split():
             return r.stdout.split()
     return expand_hostlist(spec)
 
 
-def node_addr(name: str) -> str:
+def node_addr(name: str, use_scontrol: bool = True) -> str:
     """The address slurmd knows the node by (`NodeAddr`), else the name itself."""
-    if shutil.which("scontrol"):
+    if use_scontrol and shutil.which("scontrol"):
         r = subprocess.run(["scontrol", "show", "node", name], capture_output=True, text=True)
         m = re.search(r"\bNodeAddr=(\S+)", r.stdout)
         if r.returncode == 0 and m:
@@ -92,13 +92,16 @@ def master_port(env: dict[str, str]) -> int:
     return DEFAULT_PORT_BASE + (int(job) % 20000 if job.isdigit() else 0)
 
 
-def from_env(env: dict[str, str] | None = None, nproc_per_node: int | None = None) -> Layout:
+def from_env(
+    env: dict[str, str] | None = None, nproc_per_node: int | None = None, use_scontrol: bool = True
+) -> Layout:
     """The layout of this node from SLURM's variables (one launcher task per node).
 
-    Outside SLURM it is a single node: rank 0 of 1, master 127.0.0.1.
+    Outside SLURM it is a single node: rank 0 of 1, master 127.0.0.1. `use_scontrol=False` (dry
+    runs) takes node names as they are instead of asking the controller.
     """
     env = dict(os.environ if env is None else env)
-    nodes = job_nodes(env)
+    nodes = job_nodes(env, use_scontrol)
     nnodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or len(nodes) or 1)
     node_rank = int(env.get("SLURM_NODEID", "0"))
     if nproc_per_node is None:
@@ -106,7 +109,7 @@ def from_env(env: dict[str, str] | None = None, nproc_per_node: int | None = Non
     if env.get("MASTER_ADDR"):
         addr = env["MASTER_ADDR"]
     elif nodes:
-        addr = node_addr(nodes[0])
+        addr = node_addr(nodes[0], use_scontrol)
     else:
         addr = "127.0.0.1"
     return Layout(

@@ -34,6 +34,34 @@ _ftcore_on_signal() {
 	touch "$FTCORE_STOP_FILE"
 }
 
+# _ftcore_step NTASKS: fill FTCORE_SRUN (srun and its flags, one task per node) and FTCORE_PREFIX
+# (what runs python: empty, or an apptainer command) from the settings above.
+_ftcore_step() {
+	local ntasks=$1 submit_dir=${SLURM_SUBMIT_DIR:-$PWD}
+	FTCORE_SRUN=(srun "--nodes=$ntasks" "--ntasks=$ntasks" --ntasks-per-node=1 --kill-on-bad-exit=1)
+	FTCORE_PREFIX=()
+	# srun >= 22.11 no longer inherits --cpus-per-task from sbatch: pass it on explicitly
+	[[ -n ${SLURM_CPUS_PER_TASK:-} ]] && FTCORE_SRUN+=("--cpus-per-task=$SLURM_CPUS_PER_TASK")
+	if [[ -n ${FTCORE_SRUN_ARGS:-} ]]; then
+		local -a extra
+		read -r -a extra <<<"$FTCORE_SRUN_ARGS"
+		FTCORE_SRUN+=("${extra[@]}")
+	fi
+	[[ -n ${FTCORE_CONTAINER_IMAGE:-} ]] || return 0
+	local out=${FTCORE_OUTPUT_DIR:-$submit_dir/outputs} mounts=$submit_dir:$submit_dir
+	[[ $out == "$submit_dir"/* ]] || mounts+=",$out:$out"
+	mounts=${FTCORE_CONTAINER_MOUNTS:-$mounts}
+	case ${FTCORE_CONTAINER_RUNTIME:-pyxis} in
+	pyxis) FTCORE_SRUN+=("--container-image=$FTCORE_CONTAINER_IMAGE" "--container-mounts=$mounts"
+		"--container-workdir=$submit_dir") ;;
+	apptainer) FTCORE_PREFIX=(apptainer exec --nv --bind "$mounts" --pwd "$submit_dir" "$FTCORE_CONTAINER_IMAGE") ;;
+	*)
+		ftcore_log "FTCORE_CONTAINER_RUNTIME must be pyxis or apptainer, not ${FTCORE_CONTAINER_RUNTIME}"
+		return 2
+		;;
+	esac
+}
+
 # ftcore_run EXP NPROC_PER_NODE [OVERRIDES...]: run experiment EXP (conf/exp/EXP.yaml) with
 # NPROC_PER_NODE workers per node (a number, or auto: the GPUs SLURM gave each node).
 ftcore_run() {
@@ -42,45 +70,24 @@ ftcore_run() {
 	local python=${FTCORE_PYTHON:-python}
 	local module=${FTCORE_MODULE:-ftcore.train}
 	local job=${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)}
-	local submit_dir=${SLURM_SUBMIT_DIR:-$PWD}
-	local out=${FTCORE_OUTPUT_DIR:-$submit_dir/outputs}
+	local out=${FTCORE_OUTPUT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/outputs}
 	local run_dir=${FTCORE_RUN_DIR:-$out/$exp/slurm-$job}
 	local restarts=${SLURM_RESTART_COUNT:-0}
 	local max_requeues=${FTCORE_MAX_REQUEUES:-20}
-	local nnodes=${SLURM_JOB_NUM_NODES:-1}
 	FTCORE_STOP_FILE=$run_dir/STOP
 
-	local -a prefix=() opts=("--nproc-per-node=$nproc" --module "$module")
-	[[ -n ${FTCORE_DRY_RUN:-} ]] && opts+=(--dry-run)
+	_ftcore_step "${SLURM_JOB_NUM_NODES:-1}" || return
+	local -a opts=("--nproc-per-node=$nproc" --module "$module")
 	local -a overrides=("+exp=$exp" "run.dir=$run_dir" "run.stop_file=$FTCORE_STOP_FILE"
 		checkpoint.resume=auto "$@") # the user's overrides come last, so they win
-	local -a srun=(srun "--nodes=$nnodes" "--ntasks=$nnodes" --ntasks-per-node=1 --kill-on-bad-exit=1)
-	# srun >= 22.11 no longer inherits --cpus-per-task from sbatch: pass it on explicitly
-	[[ -n ${SLURM_CPUS_PER_TASK:-} ]] && srun+=("--cpus-per-task=$SLURM_CPUS_PER_TASK")
-	if [[ -n ${FTCORE_SRUN_ARGS:-} ]]; then
-		local -a extra
-		read -r -a extra <<<"$FTCORE_SRUN_ARGS"
-		srun+=("${extra[@]}")
-	fi
-	if [[ -n ${FTCORE_CONTAINER_IMAGE:-} ]]; then
-		local mounts=${FTCORE_CONTAINER_MOUNTS:-$submit_dir,$out}
-		case ${FTCORE_CONTAINER_RUNTIME:-pyxis} in
-		pyxis) srun+=("--container-image=$FTCORE_CONTAINER_IMAGE" "--container-mounts=$mounts"
-			"--container-workdir=$submit_dir") ;;
-		apptainer) prefix=(apptainer exec --nv --bind "$mounts" "$FTCORE_CONTAINER_IMAGE") ;;
-		*)
-			ftcore_log "FTCORE_CONTAINER_RUNTIME must be pyxis or apptainer"
-			return 2
-			;;
-		esac
-	fi
-	local -a launcher=("${prefix[@]}" "$python" -m ftcore.launch.node "${opts[@]}" -- "${overrides[@]}")
+	local -a srun=("${FTCORE_SRUN[@]}")
+	local -a launcher=("${FTCORE_PREFIX[@]}" "$python" -m ftcore.launch.node "${opts[@]}" -- "${overrides[@]}")
 
 	if [[ -n ${FTCORE_DRY_RUN:-} ]]; then
 		printf 'srun command:'
 		printf ' %q' "${srun[@]}" "${launcher[@]}"
 		printf '\n'
-		SLURM_NODEID=0 "$python" -m ftcore.launch.node "${opts[@]}" -- "${overrides[@]}"
+		SLURM_NODEID=0 "$python" -m ftcore.launch.node "${opts[@]}" --dry-run -- "${overrides[@]}"
 		return
 	fi
 
@@ -118,4 +125,21 @@ ftcore_run() {
 	exec >&- 2>&- # let tee see the end of the log, then wait for it to flush
 	wait "$tee_pid" 2>/dev/null
 	return "$rc"
+}
+
+# ftcore_once MODULE [ARGS...]: run `python -m MODULE ARGS` once, on the first node, as one SLURM
+# task (ftcore.bench starts its own workers). No stop file, no requeue: a benchmark is redone whole.
+ftcore_once() {
+	local module=${1:?usage: ftcore_once MODULE [ARGS...]}
+	shift
+	_ftcore_step 1 || return
+	local -a cmd=("${FTCORE_SRUN[@]}" "${FTCORE_PREFIX[@]}" "${FTCORE_PYTHON:-python}" -m "$module" "$@")
+	if [[ -n ${FTCORE_DRY_RUN:-} ]]; then
+		printf 'srun command:'
+		printf ' %q' "${cmd[@]}"
+		printf '\n'
+		return
+	fi
+	ftcore_log "job ${SLURM_JOB_ID:-local} on ${SLURM_JOB_NODELIST:-$(hostname)}: python -m $module $*"
+	"${cmd[@]}"
 }

@@ -15,9 +15,12 @@
 #SBATCH --output=slurm-%x-%j.out
 
 # sbatch runs a copy of this file: ask SLURM where the original (and common.sh beside it) lives.
-here=$(scontrol show job "${SLURM_JOB_ID:-none}" 2>/dev/null | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
+if [[ -z ${FTCORE_SLURM_DIR:-} ]]; then
+	[[ -n ${SLURM_JOB_ID:-} ]] && here=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
+	FTCORE_SLURM_DIR=$(dirname "${here:-${BASH_SOURCE[0]}}")
+fi
 # shellcheck source=slurm/common.sh
-source "${FTCORE_SLURM_DIR:-$(dirname "${here:-${BASH_SOURCE[0]}}")}/common.sh" || exit 1
+source "$FTCORE_SLURM_DIR/common.sh" || exit 1
 
 workers=${FTCORE_WORKERS:-2}
 nnodes=${SLURM_JOB_NUM_NODES:-1}

@@ -1,0 +1,26 @@
+#!/bin/bash
+# Llama 3.1 405B full fine-tuning: conf/exp/405b_full.yaml on 16 nodes x 8 H100 (128 GPUs), the experiment's cluster.num_gpus.
+#   sbatch slurm/405b_full.sh [Hydra overrides, applied last]
+#   sbatch -p PARTITION -A ACCOUNT slurm/405b_full.sh model.hf_path=/models/... data.path=/data/train.jsonl
+# A requeued job resumes its own run (outputs/405b_full/slurm-<job id>); settings: slurm/common.sh.
+#SBATCH --job-name=ftcore-405b_full
+#SBATCH --nodes=16
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --mem=0
+#SBATCH --time=48:00:00
+#SBATCH --signal=B:USR1@1200
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+
+# sbatch runs a copy of this file: ask SLURM where the original (and common.sh beside it) lives.
+if [[ -z ${FTCORE_SLURM_DIR:-} ]]; then
+	[[ -n ${SLURM_JOB_ID:-} ]] && here=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
+	FTCORE_SLURM_DIR=$(dirname "${here:-${BASH_SOURCE[0]}}")
+fi
+# shellcheck source=slurm/common.sh
+source "$FTCORE_SLURM_DIR/common.sh" || exit 1
+
+ftcore_run 405b_full auto "$@"
