@@ -187,7 +187,8 @@ def stage_memory(
         received = inputs - (1 if pp_rank == 0 and inputs else 0)
         pipe = boundary * (received if sh.ab != 4 and sh.recompute != "full" else 0)
         pipe += boundary * (inputs - (1 if last and inputs else 0))
-    mask = sh.b * sh.s * sh.s if sh.impl == "local" else 0  # the boolean causal/segment mask
+    # The boolean [b, 1, s, s] causal/segment mask of each in-flight micro-batch (local attention).
+    mask = sh.b * sh.s * sh.s * max(inputs, 1) if sh.impl == "local" else 0
     transient = act.transient_bytes(sh, last)
     activations = saved + loss + pipe + mask + transient
     split = split_layers(cfg.model.num_layers, p.pp, p.vp)
@@ -207,7 +208,8 @@ def stage_memory(
             layers_in_flight=layer_mb,
             saved_activations=saved,
             loss_activations=loss,
-            pipeline_buffers=pipe + mask,
+            pipeline_buffers=pipe,
+            masks=mask,
             transient=transient,
             elements=state["elements"],
         ),
