@@ -110,3 +110,21 @@ def attention_mask_from_segments(segment_ids: torch.Tensor) -> torch.Tensor:
     allowed = same & causal
     allowed |= torch.eye(s, dtype=torch.bool, device=seg.device)
     return (~allowed).unsqueeze(1)
+
+
+def cu_seqlens_from_segments(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """THD layout for TE's fused attention: cumulative lengths (int32) of the documents of the
+    flattened batch, each row's padding counted as one more sequence; and the longest length."""
+    lengths = []
+    for row in segment_ids.tolist():
+        runs, prev = [], None
+        for s in row:
+            if s == prev:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+                prev = s
+        lengths += runs
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    return cu, max(lengths, default=0)

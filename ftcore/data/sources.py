@@ -9,7 +9,6 @@ in the local Hugging Face cache go through `datasets`, offline.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,11 +49,16 @@ def resolve(path: str, field: str = "data.path") -> list[Path] | str:
 
 
 def describe(files: list[Path] | str) -> list[tuple[str, int, int]]:
-    """(path, size, mtime_ns) per file: the cache key's view of the data."""
+    """(path, size, mtime_ns) per file (the files inside a `datasets` directory or cache entry):
+    the cache key's view of the data."""
     if isinstance(files, str):
-        return [(f"hf:{files}", 0, 0)]
+        paths = [Path(c["filename"]) for c in _hf_dataset(files).cache_files]
+    else:
+        paths = [
+            g for f in files for g in (sorted(f.rglob("*")) if f.is_dir() else [f]) if g.is_file()
+        ]
     out = []
-    for f in files:
+    for f in paths:
         st = f.stat()
         out.append((str(f.resolve()), st.st_size, st.st_mtime_ns))
     return out
@@ -151,19 +155,25 @@ def _load_disk(f: Path):
     return ds["train"] if isinstance(ds, DatasetDict) else ds
 
 
-def _hf_records(name: str) -> Iterator[tuple[str, object]]:
-    """A dataset already in the local Hugging Face cache ("org/name" or "org/name:split"); no download."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from datasets import load_dataset
+def _hf_dataset(name: str):
+    """A dataset already in the local Hugging Face cache ("org/name" or "org/name:split"), offline."""
+    import datasets
 
-    name, _, split = name.partition(":")
+    repo, _, split = name.partition(":")
+    offline = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = True  # never download: read what the cache holds
     try:
-        ds = load_dataset(name, split=split or "train")
+        return datasets.load_dataset(repo, split=split or "train")
     except Exception as e:
         raise FtcoreError(
-            f"{name} is not a local path and not a data set in the local Hugging Face cache ({type(e).__name__})",
+            f"{name} is not a local path and not a data set in the local Hugging Face cache "
+            f"({type(e).__name__})",
             field="data.path",
             fix="give a local file or directory, or download the data set first",
         ) from e
-    yield from _dataset_rows(name, ds)
+    finally:
+        datasets.config.HF_HUB_OFFLINE = offline
+
+
+def _hf_records(name: str) -> Iterator[tuple[str, object]]:
+    yield from _dataset_rows(name, _hf_dataset(name))
