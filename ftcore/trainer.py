@@ -85,6 +85,12 @@ def setup(cfg: DictConfig, *, data: bool = True) -> TrainState:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     # 6. Tokenizer (its vocab size is the model's unpadded vocab).
     state.tokenizer = load_tokenizer(cfg)
+    if len(state.tokenizer) > cfg.model.vocab_size:
+        raise FtcoreError(
+            f"the tokenizer has {len(state.tokenizer)} tokens but model.vocab_size={cfg.model.vocab_size}",
+            field="model.vocab_size",
+            fix="use the model's own tokenizer (model.tokenizer) or a matching model.vocab_size",
+        )
     # 7. Model: this rank's chunks, layout-independent init, then HF weights straight into the shards.
     chunks = build_model(cfg)
     if cfg.model.hf_path or cfg.model.init_path:
@@ -108,9 +114,8 @@ def setup(cfg: DictConfig, *, data: bool = True) -> TrainState:
         if cfg.eval.interval > 0:
             state.val_batches = build_val_batches(cfg, state.tokenizer, dp_rank, dp)
     # 11. Resume (model, optimizer, schedule, data position, RNG) from checkpoints/latest.
+    #     (Stop-request handlers are installed by fit(), for exactly as long as it checks them.)
     checkpoint.maybe_resume(state)
-    # 12. Stop requests: signals, the stop file, run.max_time.
-    signals.install(cfg)
     return state
 
 
@@ -168,6 +173,12 @@ def train_step(state: TrainState) -> dict:
     if not math.isfinite(loss):
         return {"loss": loss, "grad_norm": float("nan"), "skipped": True, "target_tokens": target_tokens}
     with cpu.device_mode():
+        # Non-finite grads must be caught before the update: without loss scaling megatron's step
+        # applies them (clipping skips a NaN norm), poisoning the weights a skip should protect.
+        found_inf = state.optimizer.prepare_grads()
+        norm = float("nan") if found_inf else float(state.optimizer.get_grad_norm() or 0.0)
+        if not math.isfinite(norm):
+            return {"loss": loss, "grad_norm": norm, "skipped": True, "target_tokens": target_tokens}
         ok, grad_norm, _ = state.optimizer.step()
     grad_norm = float(grad_norm) if grad_norm is not None else 0.0
     if not ok or not math.isfinite(grad_norm):
@@ -217,6 +228,7 @@ def fit(state: TrainState) -> None:
     timer = metrics_mod.StepTimer()
     start_time = time.time()
     world = state.info.world
+    signals.install(cfg)
     try:
         while state.step < cfg.train.max_steps:
             out = train_step(state)
@@ -242,12 +254,13 @@ def fit(state: TrainState) -> None:
             t0 = time.perf_counter()
             if cfg.eval.interval and state.step % cfg.eval.interval == 0 and state.val_batches:
                 writer.write({"step": state.step, "eval_loss": evaluate(state)})
+            checkpoint.poll(state)  # publish a finished background save (GPU)
             if cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0:
                 checkpoint.save(state)
             reason = signals.stop_reason(cfg, state.run_dir, start_time)
             if reason and state.step < cfg.train.max_steps:
-                if not (cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0):
-                    checkpoint.save(state)
+                checkpoint.save(state, blocking=True)  # a no-op if this step's is already published
+                signals.consume(cfg, state.run_dir, state.info.rank)
                 raise StopRequested(state.step, reason)
             timer.exclude(time.perf_counter() - t0)
         finish(state)
@@ -263,6 +276,7 @@ def finish(state: TrainState) -> None:
     cfg = state.cfg
     if cfg.checkpoint.save_at_end and not checkpoint.exists(state, state.step):
         checkpoint.save(state)
+    checkpoint.wait(state)
     if cfg.peft.name != "none":
         from ftcore.peft.export import write_hf_adapter
 
