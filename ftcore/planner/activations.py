@@ -157,16 +157,16 @@ def loss_bytes(sh: Shape) -> dict[str, int]:
     return {"final_norm": norm, "output_layer": head_in, "loss": T * sh.vocab // sh.tp * 4}
 
 
-def transient_bytes(sh: Shape, last_stage: bool) -> int:
-    """Short-lived peaks on top of the saved tensors: the logits and their fp32 copy at the loss,
-    or one layer's full activations while it is recomputed."""
-    peak = 0
-    if last_stage:
-        peak = sh.tokens * sh.vocab // sh.tp * (sh.ab + 4)
-    if sh.recompute == "full":
-        full_sh = Shape(**{**sh.__dict__, "recompute": "none"})
-        peak = max(peak, sum(layer_parts(full_sh).values()))
-    return peak
+def logits_transient(sh: Shape) -> int:
+    """Last stage, at the loss: the logits and their fp32 copy live beside the saved softmax."""
+    return sh.tokens * sh.vocab // sh.tp * (sh.ab + 4)
+
+
+def recompute_transient(sh: Shape) -> int:
+    """Full recompute: one layer's activations exist again while its backward runs."""
+    if sh.recompute != "full":
+        return 0
+    return sum(layer_parts(Shape(**{**sh.__dict__, "recompute": "none"})).values())
 
 
 def in_flight_layers(cfg: DictConfig, pp_rank: int, num_micro: int) -> tuple[int, int]:

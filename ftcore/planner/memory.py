@@ -189,8 +189,10 @@ def stage_memory(
         pipe += boundary * (inputs - (1 if last and inputs else 0))
     # The boolean [b, 1, s, s] causal/segment mask of each in-flight micro-batch (local attention).
     mask = sh.b * sh.s * sh.s * max(inputs, 1) if sh.impl == "local" else 0
-    transient = act.transient_bytes(sh, last)
-    activations = saved + loss + pipe + mask + transient
+    # The loss (forward) and a recomputed layer (backward) peak at different times.
+    logits = act.logits_transient(sh) if last else 0
+    recompute = act.recompute_transient(sh)
+    activations = saved + pipe + mask + max(loss + logits, recompute)
     split = split_layers(cfg.model.num_layers, p.pp, p.vp)
     return StageMemory(
         pp_rank=pp_rank,
@@ -210,7 +212,8 @@ def stage_memory(
             loss_activations=loss,
             pipeline_buffers=pipe,
             masks=mask,
-            transient=transient,
+            logits_transient=logits,
+            recompute_transient=recompute,
             elements=state["elements"],
         ),
     )

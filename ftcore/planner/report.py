@@ -29,7 +29,8 @@ def table(p: dict, ranked: list[dict] | None = None) -> str:
         f"{w['trainable_weights']:.2f}, quantized weight copies {w['quantized_weights']:.2f}; "
         f"activations = {w['layer_activation'] * 1024:.1f} MiB/layer x {w['layers_in_flight']} "
         f"layer-microbatches in flight + loss {w['loss_activations']:.2f} + pipeline buffers "
-        f"{w['pipeline_buffers']:.2f} + transient {w['transient']:.2f}",
+        f"{w['pipeline_buffers'] + w['masks']:.2f} + the larger of logits {w['logits_transient']:.2f} "
+        f"(with the loss) and a recomputed layer {w['recompute_transient']:.2f}",
         f"fits: {'yes' if p['fits'] else 'NO'} ({p['memory_gib']['total']:.1f} of "
         f"{p['gpu_mem_gib']:.1f} GiB); fewest GPUs that fit: {p['gpus_needed']}",
         f"speed: {p['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, {p['model_tflops_per_gpu']:.0f} model "
