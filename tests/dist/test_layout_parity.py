@@ -71,3 +71,13 @@ def test_tp2_pp2_on_four_processes(pool4, reference, tmp_path):
     _close(results[0]["loss"], reference["loss"], "tp2 x pp2 losses")
     _close(results[0]["grad_norm"], reference["grad_norm"], "tp2 x pp2 grad norms")
     _close_weights(merge_weights(results), reference["weights"], "tp2 x pp2")
+
+
+@pytest.mark.dist
+def test_uneven_pipeline_split_matches(pool1, pool2, tmp_path):
+    """6 layers over pp=2 x vp=2: megatron's split counting the embedding and the loss as layers."""
+    six = ["model.num_layers=6"]
+    ref = pool1.run(train_and_collect, six + ["train.micro_batch_size=8"], str(tmp_path / "ref"), 3)[0]
+    results = pool2.run(train_and_collect, six + ["parallel.pp=2", "parallel.vp=2"], str(tmp_path / "pp"), 3)
+    _close(results[0]["loss"], ref["loss"], "uneven pp2 x vp2 losses")
+    _close_weights(merge_weights(results), ref["weights"], "uneven pp2 x vp2")
