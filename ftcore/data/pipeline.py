@@ -24,6 +24,7 @@ __all__ = [
     "attention_mask_from_segments",
     "build_train_loader",
     "build_val_batches",
+    "load_prompts",
 ]
 log = logging.getLogger("ftcore")
 
@@ -171,6 +172,7 @@ class TrainLoader:
             "bad_records": self.docs.bad_records,
             "rows": len(rows),
             "packing_efficiency": targets / max(1, len(rows) * self.seq_len),
+            "slot_fill": tokens / max(1, len(rows) * self.seq_len),
         }
 
     def next_rows(self) -> list[list[int]]:
@@ -200,7 +202,7 @@ def log_report(report: dict, what: str = "train") -> None:
     r = report
     log.info(
         "data (%s): %d samples, %d tokens, %d target tokens, %d rows; dropped %d, truncated %d, bad records %d; "
-        "packing efficiency %.1f%% (target tokens / slot tokens)",
+        "packing efficiency %.1f%% (target tokens / slot tokens; %.1f%% of slots hold tokens)",
         what,
         r["samples"],
         r["tokens"],
@@ -210,15 +212,52 @@ def log_report(report: dict, what: str = "train") -> None:
         r["truncated"],
         r["bad_records"],
         100 * r["packing_efficiency"],
+        100 * r["slot_fill"],
     )
+
+
+def _rank0() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def build_train_loader(cfg, tokenizer, dp_rank: int, dp_size: int) -> TrainLoader:
     _check(cfg)
     docs, counts = _load_train(cfg, tokenizer)
     loader = TrainLoader(cfg, docs, counts, tokenizer.pad_token_id, dp_rank, dp_size)
-    log_report(loader.report)
+    if _rank0():
+        log_report(loader.report)
     return loader
+
+
+def load_prompts(cfg, tokenizer, path: str | None = None) -> list[tuple[list[int], str]]:
+    """(prompt ids, expected answer) per record of an instruction/chat file (default: the
+    validation data of build_val_batches): the inputs of exact-match accuracy. Bad records follow
+    data.on_bad_record."""
+    from ftcore.data import sources
+    from ftcore.data.templates import BadRecord, Renderer
+
+    path = path or cfg.data.val_path or (bundled_data("val") if not cfg.data.path else None)
+    if path is None:
+        raise FtcoreError(
+            "no data to compute accuracy on", field="data.val_path", fix="set data.val_path"
+        )
+    renderer = Renderer(
+        tokenizer, cfg.data.format, cfg.data.chat_template, cfg.data.train_on_prompt
+    )
+    out = []
+    for where, rec in sources.iter_records(sources.resolve(path)):
+        try:
+            if isinstance(rec, Exception):
+                raise rec
+            out.append(renderer.prompt(rec))
+        except (BadRecord, sources.RecordError) as e:
+            if cfg.data.on_bad_record != "skip":
+                raise FtcoreError(
+                    f"{where}: {e}", field="data.path", fix="fix or remove the record"
+                ) from None
+    return out
 
 
 def _val_docs(cfg, tokenizer, path: str | None) -> Docs:

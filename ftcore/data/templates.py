@@ -187,6 +187,14 @@ class Renderer:
             )
         return text
 
+    def prompt(self, rec) -> tuple[list[int], str]:
+        """(prompt ids up to the last assistant turn's generation prompt, that turn's answer): what
+        exact-match accuracy generates from and compares against."""
+        msgs = to_messages(rec, self.fmt)
+        last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        text = self.render(msgs[:last], True)
+        return list(self.tok(text, add_special_tokens=False)["input_ids"]), msgs[last]["content"]
+
     def doc(self, rec) -> Doc:
         """A record as token ids and target flags; raises BadRecord for bad records."""
         if self.fmt == "text":

@@ -236,3 +236,18 @@ def test_template_from_file(tok, tmp_path):
     doc = Renderer(tok, "instruction", str(p)).doc({"instruction": "x", "output": "y"})
     assert tok.decode(doc.ids[doc.targets]) == "y<|im_end|>"
     assert np.count_nonzero(doc.targets) == len(tok.encode("y<|im_end|>", add_special_tokens=False))
+
+
+def test_prompt_for_accuracy(tok):
+    """The prompt is the conversation up to the last assistant turn plus its generation prompt."""
+    from ftcore.config import compose
+    from ftcore.data.pipeline import load_prompts
+
+    r = Renderer(tok, "instruction", None)
+    ids, answer = r.prompt({"instruction": "What is 2 + 2?", "output": "4"})
+    assert answer == "4"
+    assert tok.decode(ids) == (f"{BOS}{SH}user{EH}\n\nWhat is 2 + 2?{EOT}{SH}assistant{EH}\n\n")
+    doc = r.doc({"instruction": "What is 2 + 2?", "output": "4"})
+    assert doc.ids[: len(ids)].tolist() == ids and not doc.targets[: len(ids)].any()
+    prompts = load_prompts(compose([]), tok)  # the bundled validation split
+    assert len(prompts) == 300 and all(a for _, a in prompts)
