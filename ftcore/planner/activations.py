@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from ftcore.planner.layers import split_layers
-from ftcore.planner.params import lora_targets, padded_vocab
+from ftcore.planner.params import lora_plan, padded_vocab
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
@@ -45,6 +45,7 @@ class Shape:
     impl: str  # local | te
     full: bool  # base trainable
     targets: tuple[str, ...]  # linears with LoRA adapters
+    lora_a: tuple[tuple[str, int], ...]  # (linear, number of A matrices)
     r: int
     recompute: str
 
@@ -80,7 +81,8 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
         fp8=te and bool(pr.fp8_recipe or pr.fp4_recipe),
         impl="te" if te else "local",
         full=cfg.peft.name == "none",
-        targets=tuple(lora_targets(cfg)),
+        targets=tuple(lora_plan(cfg)),
+        lora_a=tuple((k, len(set(v.values()))) for k, v in lora_plan(cfg).items()),
         r=cfg.peft.r,
         recompute=p.recompute,
     )
@@ -135,7 +137,16 @@ def layer_parts(sh: Shape) -> dict[str, int]:
         parts["fc1"] = ln_linear("linear_fc1")
         parts["swiglu"] = 2 * T * sh.f // t * ab
         parts["fc2"] = T * sh.f // t * lin_b if _keeps_input(sh, "linear_fc2") else 0
-    parts["lora"] = len(sh.targets) * T * sh.r * ab
+    # Adapters keep A·x for B's gradient: [s, b, r] per A after the column gather, [s(/tp), b, r]
+    # after the row reduction.
+    lora = 0
+    for module, n_a in sh.lora_a:
+        lora += (
+            T * sh.r * n_a
+            if module in ("linear_qkv", "linear_fc1")
+            else T * sh.r // (t if sh.sp else 1)
+        )
+    parts["lora"] = lora * ab
     return parts
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from ftcore.planner.layers import split_layers
-from ftcore.planner.params import linear_shapes, lora_targets, padded_vocab
+from ftcore.planner.params import linear_shapes, lora_params, lora_plan, padded_vocab
 
 FLASH_BWD = 2.5  # flash-attention backward work relative to its forward
 
@@ -60,7 +60,9 @@ def micro_batch_work(cfg: DictConfig, pp_rank: int) -> Work:
     passes = (3 if full else 2) + recompute_fwd  # forward, dgrad, (wgrad), (recomputed forward)
     shapes = linear_shapes(m, tp)
     lin = sum(o * i for o, i in shapes.values())
-    adapters = sum(cfg.peft.r * (o + i) for t, (o, i) in shapes.items() if t in lora_targets(cfg))
+    adapters = sum(
+        n for t, sl in lora_plan(cfg).items() for _, n in lora_params(m, t, sl, cfg.peft.r, tp)
+    )
     split = split_layers(m.num_layers, p.pp, p.vp)
     offsets = split.offsets[pp_rank]
     quant = bool(cfg.precision.fp8_recipe or cfg.precision.fp4_recipe)

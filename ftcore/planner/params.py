@@ -13,16 +13,14 @@ from omegaconf import DictConfig
 
 from ftcore.planner.layers import split_layers
 
-# HF module names -> the megatron linear that holds them (q/k/v fused, gate/up fused).
-HF_TO_MEGATRON = {
-    "q_proj": "linear_qkv",
-    "k_proj": "linear_qkv",
-    "v_proj": "linear_qkv",
-    "o_proj": "linear_proj",
-    "gate_proj": "linear_fc1",
-    "up_proj": "linear_fc1",
-    "down_proj": "linear_fc2",
+# The Hugging Face slices of each megatron linear, in fused order (as ftcore.peft.layers.SLICES).
+SLICES = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
 }
+HF_TO_MEGATRON = {s: m for m, slices in SLICES.items() for s in slices}
 LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ROW_PARALLEL = ("linear_proj", "linear_fc2")  # input split over TP; the others split their output
 
@@ -41,16 +39,26 @@ def padded_vocab(vocab_size: int, tp: int, multiple: int = 128) -> int:
     return -(-vocab_size // m) * m
 
 
-def lora_targets(cfg: DictConfig) -> list[str]:
-    """Megatron linears that carry an adapter (HF names mapped, duplicates dropped, order kept)."""
+def lora_plan(cfg: DictConfig) -> dict[str, dict[str, str]]:
+    """{megatron linear: {slice: A key}} as ftcore.peft.lora.plan_targets builds it: a megatron
+    name gives every slice one shared A, a Hugging Face name one slice with its own A."""
     if cfg.peft.name not in ("lora", "qlora"):
-        return []
-    out: list[str] = []
-    for t in cfg.peft.target_modules:
-        m = HF_TO_MEGATRON.get(str(t), str(t))
-        if m not in out:
-            out.append(m)
-    return out
+        return {}
+    plan: dict[str, dict[str, str]] = {}
+    for t in map(str, cfg.peft.target_modules):
+        if t in SLICES:
+            shared = t if len(SLICES[t]) > 1 else SLICES[t][0]
+            pairs = [(t, s, shared) for s in SLICES[t]]
+        else:
+            pairs = [(HF_TO_MEGATRON.get(t, t), t, t)]
+        for module, s, key in pairs:
+            plan.setdefault(module, {})[s] = key
+    return {m: plan[m] for m in SLICES if m in plan}
+
+
+def lora_targets(cfg: DictConfig) -> list[str]:
+    """Megatron linears that carry an adapter."""
+    return list(lora_plan(cfg))
 
 
 def linear_shapes(m: DictConfig, tp: int) -> dict[str, tuple[int, int]]:
@@ -70,18 +78,38 @@ def linear_shapes(m: DictConfig, tp: int) -> dict[str, tuple[int, int]]:
     }
 
 
-def lora_numel(module: str, out_in: tuple[int, int], r: int, tp: int) -> tuple[int, int]:
-    """(A, B) elements on one TP rank. Column-parallel base: A (r x in) replicated, B sharded like
-    the base output. Row-parallel base: A sharded like the base input, B (out x r) replicated."""
-    out, inp = out_in
-    return r * inp, out * r
+def slice_out_in(m: DictConfig, name: str) -> tuple[int, int]:
+    """Full (out, in) of one Hugging Face slice."""
+    d = m.kv_channels or m.hidden_size // m.num_attention_heads
+    h, f = m.hidden_size, m.ffn_hidden_size
+    q, kv = m.num_attention_heads * d, m.num_query_groups * d
+    return {
+        "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+        "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
+    }[name]  # fmt: skip
+
+
+def lora_params(
+    m: DictConfig, module: str, slices: dict[str, str], r: int, tp: int
+) -> list[tuple[str, int]]:
+    """(name, elements on one TP rank) of a linear's adapters, A's then B's as registered.
+    Column-parallel base: A (r x in) replicated, B (slice_out/tp x r). Row-parallel base:
+    A (r x in/tp), B (out x r) replicated."""
+    column = module not in ROW_PARALLEL
+    a_out, b_out = [], []
+    for s, key in slices.items():
+        out, inp = slice_out_in(m, s)
+        if key not in [k for k, _ in a_out]:
+            a_out.append((key, r * (inp if column else inp // tp)))
+        b_out.append((s, (out // tp if column else out) * r))
+    return [(f"lora_A.{k}", n) for k, n in a_out] + [(f"lora_B.{k}", n) for k, n in b_out]
 
 
 def layer_params(cfg: DictConfig, layer: int, tp: int) -> list[Param]:
     m = cfg.model
     h = m.hidden_size
     full = cfg.peft.name == "none"
-    targets = lora_targets(cfg)
+    plan = lora_plan(cfg)
     shapes = linear_shapes(m, tp)
     pre = f"layers.{layer}."
     out = [Param(pre + "input_layernorm", h, full, "norm")]
@@ -90,10 +118,8 @@ def layer_params(cfg: DictConfig, layer: int, tp: int) -> list[Param]:
             out.append(Param(pre + "pre_mlp_layernorm", h, full, "norm"))
         o, i = shapes[name]
         out.append(Param(pre + name, o * i, full, "linear"))
-        if name in targets:
-            a, b = lora_numel(name, (o, i), cfg.peft.r, tp)
-            out.append(Param(pre + name + ".lora_A", a, True, "lora"))
-            out.append(Param(pre + name + ".lora_B", b, True, "lora"))
+        for pname, n in lora_params(m, name, plan.get(name, {}), cfg.peft.r, tp):
+            out.append(Param(f"{pre}{name}.{pname}", n, True, "lora"))
     return out
 
 
@@ -129,6 +155,8 @@ def total_params(cfg: DictConfig) -> int:
     m = cfg.model
     base = linear_shapes(m, 1)
     per_layer = 2 * m.hidden_size + sum(o * i for o, i in base.values())
-    per_layer += sum(sum(lora_numel(t, base[t], cfg.peft.r, 1)) for t in lora_targets(cfg))
+    per_layer += sum(
+        n for t, sl in lora_plan(cfg).items() for _, n in lora_params(m, t, sl, cfg.peft.r, 1)
+    )
     emb = m.vocab_size * m.hidden_size
     return m.num_layers * per_layer + emb * (1 if m.tie_embeddings else 2) + m.hidden_size

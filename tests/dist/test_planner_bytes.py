@@ -10,6 +10,7 @@ from tests.dist.planner_probe import state_case
 from tests.tiny import TINY
 
 ODD = ["model.hidden_size=72", "model.ffn_hidden_size=136", "model.num_attention_heads=4"]
+ALL = "linear_qkv,linear_proj,linear_fc1,linear_fc2"
 CASES = {
     1: [[], ["precision=bf16"], ["parallel.recompute=full"]],
     2: [
@@ -21,6 +22,16 @@ CASES = {
         ["parallel.distributed_optimizer=true", "precision=bf16"],
         ["parallel.distributed_optimizer=true", *ODD],
         ["parallel.pp=2", "model.num_layers=6"],
+        ["peft=lora"],
+        ["peft=lora", "peft.target_modules=[q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"],
+        ["peft=lora", "parallel.tp=2", "parallel.sp=true", f"peft.target_modules=[{ALL}]"],
+        [
+            "peft=lora",
+            "parallel.distributed_optimizer=true",
+            "precision=bf16",
+            "peft.target_modules=[k_proj,linear_fc2]",
+        ],
+        ["peft=lora", "parallel.pp=2", "parallel.vp=2", f"peft.target_modules=[{ALL}]"],
     ],
     4: [
         ["parallel.tp=2", "parallel.distributed_optimizer=true", "precision=bf16"],

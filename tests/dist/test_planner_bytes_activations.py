@@ -30,6 +30,15 @@ CASES = {
         ["parallel.pp=2", "parallel.vp=2"],
         ["parallel.pp=2", "parallel.vp=2", "train.global_batch_size=16", *WIDE],
         ["parallel.pp=2", "parallel.recompute=full"],
+        ["peft=lora"],
+        ["peft=lora", "peft.target_modules=[q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"],
+        [
+            "peft=lora",
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "peft.target_modules=[linear_qkv,linear_fc2]",
+        ],
+        ["peft=lora", "parallel.pp=2", "precision=bf16", *WIDE],
     ],
 }
 
