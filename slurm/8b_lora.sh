@@ -19,6 +19,7 @@
 if [[ -z ${FTCORE_SLURM_DIR:-} ]]; then
 	[[ -n ${SLURM_JOB_ID:-} ]] && here=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
 	FTCORE_SLURM_DIR=$(dirname "${here:-${BASH_SOURCE[0]}}")
+	[[ -f $FTCORE_SLURM_DIR/common.sh ]] || FTCORE_SLURM_DIR=${SLURM_SUBMIT_DIR:-.}/slurm
 fi
 # shellcheck source=slurm/common.sh
 source "$FTCORE_SLURM_DIR/common.sh" || exit 1

@@ -1,0 +1,99 @@
+"""slurm/tiny_cpu.sh against a real SLURM with two nodes: a gloo rendezvous across them, the
+preemption path (USR1 -> stop file -> save -> exit 3 -> requeue -> resume), and no requeue after
+a user error or past the retry bound. Few jobs, tiny settings: each costs tens of seconds here."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
+
+TINY = [
+    "model.num_layers=4",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=128",
+    "data.seq_len=64",
+    "eval.interval=0",
+    "launcher.threads_per_rank=1",  # two "nodes" share this machine's cores
+    "checkpoint.interval=0",  # the only mid-run checkpoint is the one a stop request makes
+]
+
+
+def metric_steps(run_dir) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    return [r["step"] for r in lines if "loss" in r]
+
+
+def test_tiny_cpu_on_two_nodes(jobs):
+    t0 = time.monotonic()
+    job = jobs.submit("tiny_cpu.sh", *TINY, "train.max_steps=4")
+    info = jobs.wait(job, timeout=600)
+    log = jobs.log(job)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log
+    assert "nnodes=2 nproc_per_node=1 world_size=2" in log
+    assert "rendezvous 127.0.0.1:" in log and "nodes=node1,node2" in log  # NodeAddr, not the name
+    assert "node 0: workers done, exit 0" in log and "node 1: workers done, exit 0" in log
+    run_dir = jobs.run_dir("tiny_full", job)
+    assert metric_steps(run_dir) == [1, 2, 3, 4]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_4"
+    assert "step exited 0: done" in (run_dir / "logs" / "job.log").read_text()
+    print(f"two-node tiny run: {time.monotonic() - t0:.0f} s")
+
+
+def test_usr1_saves_requeues_and_resumes_without_losing_a_step(jobs):
+    steps = 30
+    job = jobs.submit("tiny_cpu.sh", *TINY, f"train.max_steps={steps}")
+    run_dir = jobs.run_dir("tiny_full", job)
+    deadline = time.monotonic() + 600
+    while len(metric_steps(run_dir)) < 3:  # mid-run: a few steps done, most to go
+        assert time.monotonic() < deadline, jobs.log(job)
+        assert jobs.info(job)["JobState"] in ("PENDING", "RUNNING"), jobs.log(job)
+        time.sleep(0.2)
+    jobs.cluster.cmd("scancel", "--signal=USR1", "--batch", str(job))
+    info = jobs.wait(job, timeout=600)
+    log = jobs.log(job)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), log
+    assert "got SIGUSR1" in log and "step exited 3" in log and f"requeueing job {job}" in log
+    assert "(restart 1)" in log
+    stopped = int(re.search(r"stopped at step (\d+)", log).group(1))
+    assert 3 <= stopped < steps, log
+    assert metric_steps(run_dir) == list(range(1, steps + 1)), "every step exactly once"
+    assert (run_dir / "checkpoints" / f"step_{stopped}").is_dir()
+    assert not (run_dir / "STOP").exists() or "restart 1" in log
+
+
+def test_user_error_is_not_requeued(jobs):
+    job = jobs.submit("tiny_cpu.sh", "train.max_steps=not_a_number")
+    info = jobs.wait(job, timeout=300, hurry_requeue=False)
+    log = jobs.log(job)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "2:0", "0"), log
+    assert "train.max_steps" in log and "step exited 2: not requeueing" in log
+
+
+def test_requeues_are_bounded(jobs, tmp_path):
+    """A worker that always says "requeue me" (3) is requeued FTCORE_MAX_REQUEUES times, no more.
+    (A stand-in module: this checks the batch script's bound, not the trainer.)"""
+    (tmp_path / "always_stop.py").write_text("import sys\nsys.exit(3)\n")
+    env = {"FTCORE_MODULE": "always_stop", "PYTHONPATH": str(tmp_path), "FTCORE_MAX_REQUEUES": "1"}
+    job = jobs.submit("tiny_cpu.sh", nodes=1, **env)
+    info = jobs.wait(job, timeout=300)
+    log = jobs.log(job)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "3:0", "1"), log
+    assert log.count("requeueing job") == 1 and "not requeueing" in log
+
+
+def test_slurm_is_real(slurm_cluster):
+    out = slurm_cluster.cmd("sinfo", "-h", "-N", "-o", "%N %t")
+    assert out.split() == ["node1", "idle", "node2", "idle"] or "node2" in out
+    assert (
+        subprocess.run(["scontrol", "ping"], env=slurm_cluster.env, capture_output=True).returncode
+        == 0
+    )
