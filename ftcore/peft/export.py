@@ -1,0 +1,278 @@
+"""Adapters in and out in Hugging Face PEFT format, and merging them into a base model.
+
+PEFT's file format: `adapter_config.json` (LoraConfig) + `adapter_model.safetensors` with keys
+`base_model.model.model.layers.<i>.<self_attn|mlp>.<hf module>.lora_<A|B>.weight` holding full
+(unsharded) tensors. A shared A (megatron target names) is written once per slice it serves.
+Merging happens on full tensors in fp32 (W + scale·B·A), so it is the same at any TP.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from ftcore.errors import FtcoreError
+from ftcore.models.sharding import iter_params, join_shards, shard_info, take_shard
+from ftcore.peft.layers import SLICES, scaling
+
+log = logging.getLogger("ftcore")
+
+HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+_OURS = re.compile(
+    r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(linear_\w+)\.lora_([AB])\.(\w+)$"
+)
+_PEFT = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
+ADAPTER_FILE, CONFIG_FILE = "adapter_model.safetensors", "adapter_config.json"
+
+
+def hf_key(layer: int, hf_module: str, ab: str) -> str:
+    return (
+        f"base_model.model.model.layers.{layer}.{HF_PARENT[hf_module]}.{hf_module}.lora_{ab}.weight"
+    )
+
+
+def gather_full(chunks) -> dict[str, torch.Tensor] | None:
+    """Full adapter tensors by global name, on world rank 0 (None elsewhere). Collective: every
+    TP shard is gathered (not only TP rank 0's), and every pipeline stage contributes its layers."""
+    tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+    lead = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    mine = {}
+    for name, p in iter_params(chunks):
+        if ".lora_" not in name:
+            continue
+        data = p.detach().float().contiguous()
+        shards = [torch.empty_like(data) for _ in range(tp)]
+        if tp > 1:
+            dist.all_gather(shards, data, group=group)
+        else:
+            shards = [data]
+        if lead:
+            mine[name] = join_shards(shards, shard_info(name, p, tp)).cpu()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    out = {}
+    for part in parts:
+        out.update(part)
+    return out
+
+
+def to_peft(full: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Our global names -> PEFT keys; returns (state dict, HF target modules in canonical order)."""
+    a_of: dict[tuple[int, str], torch.Tensor] = {}
+    b_of: dict[tuple[int, str], torch.Tensor] = {}
+    for name, t in full.items():
+        m = _OURS.match(name)
+        if m is None:
+            raise ValueError(f"not an adapter tensor: {name}")
+        layer, module, ab, key = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        if ab == "A":
+            for s in SLICES[module] if key == module else (key,):
+                a_of[(layer, s)] = t
+        else:
+            b_of[(layer, key)] = t
+    sd, targets = {}, set()
+    for (layer, s), b in b_of.items():
+        sd[hf_key(layer, s, "A")] = a_of[(layer, s)].contiguous().clone()
+        sd[hf_key(layer, s, "B")] = b.contiguous()
+        targets.add(s)
+    order = [s for slices in SLICES.values() for s in slices]
+    return sd, sorted(targets, key=order.index)
+
+
+def lora_config(settings, targets: list[str], base: str | None):
+    from peft import LoraConfig
+
+    return LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                      target_modules=targets, use_rslora=settings.rslora, bias="none",
+                      task_type="CAUSAL_LM", base_model_name_or_path=base)  # fmt: skip
+
+
+def save_adapter(
+    out_dir: Path, sd: dict[str, torch.Tensor], settings, targets: list[str], base
+) -> None:
+    """Write a PEFT adapter directory atomically (a temporary name, then rename)."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(sd, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
+    lora_config(settings, targets, base).save_pretrained(str(tmp))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+
+
+def write_hf_adapter(state) -> Path | None:
+    """End of a LoRA run: `<run.dir>/hf_adapter/` in PEFT format (every rank calls this)."""
+    from ftcore.peft.lora import settings
+
+    cfg = state.cfg
+    s = settings(cfg)
+    full = gather_full(state.model)
+    if full is None:
+        return None
+    out = Path(state.run_dir) / "hf_adapter"
+    sd, targets = to_peft(full)
+    save_adapter(out, sd, s, targets, cfg.model.hf_path or cfg.model.init_path)
+    log.info("wrote the adapter (%d tensors, PEFT format) to %s", len(sd), out)
+    return out
+
+
+def read_adapter(path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config, state dict) of a PEFT directory (safetensors, or a legacy .bin)."""
+    from ftcore.peft.lora import read_adapter_config
+
+    path = Path(path)
+    config = read_adapter_config(str(path))
+    if (path / ADAPTER_FILE).is_file():
+        from safetensors.torch import load_file
+
+        return config, load_file(str(path / ADAPTER_FILE))
+    if (path / "adapter_model.bin").is_file():
+        return config, torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
+    raise FtcoreError(f"{path} has no {ADAPTER_FILE}", field="peft.adapter_path",
+                      fix="point peft.adapter_path at a PEFT adapter directory")  # fmt: skip
+
+
+def by_module(sd: dict[str, torch.Tensor], field: str) -> dict[tuple[int, str, str], torch.Tensor]:
+    """{(layer, hf module, A|B): tensor}; refuses what ftcore cannot load."""
+    out = {}
+    for k, t in sd.items():
+        m = _PEFT.search(k)
+        if m is None or m.group(3) not in HF_PARENT:
+            raise FtcoreError(f"the adapter holds {k}, which ftcore cannot load (only LoRA on "
+                              f"{', '.join(HF_PARENT)})", field=field)  # fmt: skip
+        out[(int(m.group(1)), m.group(3), m.group(4))] = t
+    return out
+
+
+@torch.no_grad()
+def load_hf_adapter(chunks, settings, cfg) -> None:
+    """Copy a PEFT adapter's tensors into this rank's adapter shards; any mismatch with the base
+    (layers, shapes, missing modules) is an FtcoreError."""
+    field = "peft.adapter_path"
+    _, sd = read_adapter(settings.adapter_path)
+    tensors = by_module(sd, field)
+    layers = {k[0] for k in tensors}
+    if layers and max(layers) >= cfg.model.num_layers:
+        raise FtcoreError(
+            f"the adapter has layers up to {max(layers)} but the model has {cfg.model.num_layers}: "
+            "it was trained on another base", field=field, fix="use the adapter with its own base model",
+        )  # fmt: skip
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    for name, p in iter_params(chunks):
+        m = _OURS.match(name)
+        if m is None:
+            continue
+        layer, ab, key = int(m.group(1)), m.group(3), m.group(4)
+        full = tensors.get((layer, key, ab))
+        info = shard_info(name, p, tp)
+        if full is None:
+            raise FtcoreError(f"the adapter has no lora_{ab} for layer {layer} {key}", field=field,
+                              fix="use a complete adapter trained on this base")  # fmt: skip
+        if tuple(full.shape) != info.full_shape:
+            raise FtcoreError(
+                f"adapter tensor layers.{layer}.{key}.lora_{ab} has shape {tuple(full.shape)}, this "
+                f"model needs {info.full_shape}: the adapter was trained on another base",
+                field=field, fix="use the adapter with the base model it was trained on",
+            )  # fmt: skip
+        p.copy_(take_shard(full.float(), info, tp_rank, tp).to(p.dtype))
+
+
+# ---------------------------------------------------------------- merge
+
+
+def hf_base_key(layer: int, hf_module: str) -> str:
+    return f"model.layers.{layer}.{HF_PARENT[hf_module]}.{hf_module}.weight"
+
+
+def merge_deltas(
+    adapter_config: dict, sd: dict[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """{HF base weight key: (A, B, scale)} of an adapter."""
+    scale = scaling(int(adapter_config["r"]), float(adapter_config["lora_alpha"]),
+                    bool(adapter_config.get("use_rslora", False)))  # fmt: skip
+    t = by_module(sd, "export.merge")
+    return {hf_base_key(layer, mod): (t[(layer, mod, "A")], t[(layer, mod, "B")], scale)
+            for (layer, mod, ab) in t if ab == "A"}  # fmt: skip
+
+
+def merge_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale·B·A computed in fp32, cast back to W's dtype."""
+    return (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+
+
+def merge_state(weights: dict[str, torch.Tensor], deltas: dict) -> dict[str, torch.Tensor]:
+    """Merge the adapter into the base tensors of one shard file (keys not in it pass through)."""
+    for k, (a, b, scale) in deltas.items():
+        if k in weights:
+            weights[k] = merge_weight(weights[k], a, b, scale)
+    return weights
+
+
+def write_merged_model(base_dir, adapter_dir, out_dir) -> Path:
+    """base HF directory + PEFT adapter -> merged HF directory, one safetensors shard at a time.
+    Config, index, tokenizer and other small files are copied unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    base_dir, out_dir = Path(base_dir), Path(out_dir)
+    adapter_config, sd = read_adapter(adapter_dir)
+    deltas = merge_deltas(adapter_config, sd)
+    shards = sorted(base_dir.glob("*.safetensors"))
+    if not shards:
+        raise FtcoreError(f"{base_dir} has no safetensors weights", field="model.hf_path")
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    done = set()
+    for f in shards:
+        weights = load_file(str(f))
+        done |= set(deltas) & set(weights)
+        save_file(merge_state(weights, deltas), str(tmp / f.name), metadata={"format": "pt"})
+    missing = set(deltas) - done
+    if missing:
+        raise FtcoreError(f"the base has no {sorted(missing)[0]} (and {len(missing) - 1} more): the "
+                          "adapter was trained on another base", field="export.merge")  # fmt: skip
+    for f in base_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and not (tmp / f.name).exists():
+            shutil.copy2(f, tmp / f.name)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    log.info("merged %d adapter modules into %s", len(deltas), out_dir)
+    return out_dir
+
+
+def adapter_matches(adapter_dir, hf_config: dict) -> None:
+    """Refuse an adapter whose shapes do not fit a Hugging Face config (before loading anything)."""
+    config, sd = read_adapter(adapter_dir)
+    h, f = hf_config["hidden_size"], hf_config["intermediate_size"]
+    heads = hf_config["num_attention_heads"]
+    kv = hf_config.get("num_key_value_heads") or heads
+    d = hf_config.get("head_dim") or h // heads
+    shapes = {"q_proj": (heads * d, h), "k_proj": (kv * d, h), "v_proj": (kv * d, h),
+              "o_proj": (h, heads * d), "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}  # fmt: skip
+    for (layer, mod, ab), t in by_module(sd, "peft.adapter_path").items():
+        out, inp = shapes[mod]
+        want = (config["r"], inp) if ab == "A" else (out, config["r"])
+        if layer >= hf_config["num_hidden_layers"] or tuple(t.shape) != want:
+            raise FtcoreError(f"adapter tensor layers.{layer}.{mod}.lora_{ab} does not fit this base "
+                              f"model", field="peft.adapter_path",
+                              fix="use the adapter with the base model it was trained on")  # fmt: skip
+
+
+def peft_to_json(adapter_dir) -> str:
+    return json.dumps(json.loads((Path(adapter_dir) / CONFIG_FILE).read_text()), indent=2)

@@ -1,0 +1,232 @@
+"""LoRA on megatron's column- and row-parallel linears, in the base layer's parallel state.
+
+The adapter output is added to the base output, so it must be sharded exactly like it:
+- column-parallel base (linear_qkv, linear_fc1): output [s, b, out/tp]. A (r x in) is replicated,
+  each B (out_slice/tp x r) is sharded like its slice of the base output. The [s, b, r] product
+  A·x enters the TP region like the base input does: copied (backward: all-reduce) without
+  sequence parallel, all-gathered along the sequence (backward: reduce-scatter) with it. With SP
+  each rank sees only its sequence chunk, so A's gradient is partial: A is marked
+  `sequence_parallel` and megatron's finalize_model_grads all-reduces it across TP.
+- row-parallel base (linear_proj, linear_fc2): input [s, b, in/tp], output [s(/tp), b, h]. A
+  (r x in/tp) is sharded like the base input, B (h x r) is replicated. The partial A·x is summed
+  like the base output: all-reduced, or reduce-scattered along the sequence with SP (then B's
+  gradient is partial and B is marked `sequence_parallel`).
+
+A fused column layer has slices (q, k, v or gate, up). Each slice has its own B; A is either one
+per slice (Hugging Face target names) or shared by all slices (megatron names). The slice deltas
+are put back in megatron's fused layout: per query group [q heads, k, v] for linear_qkv, [gate; up]
+per TP shard for linear_fc1. The functions below are plain so TE variants can reuse them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.utils import (
+    make_sharded_tensors_for_checkpoint,
+    sharded_state_dict_default,
+)
+from torch import nn
+
+# Hugging Face names of the slices of each megatron linear, in fused order.
+SLICES = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+COLUMN = ("linear_qkv", "linear_fc1")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Full (unsharded) shapes of a Llama layer's linears."""
+
+    hidden: int
+    ffn: int
+    heads: int
+    groups: int  # kv heads
+    head_dim: int
+
+    @classmethod
+    def of(cls, config) -> Geometry:
+        return cls(config.hidden_size, config.ffn_hidden_size, config.num_attention_heads,
+                   config.num_query_groups, config.kv_channels)  # fmt: skip
+
+    def out_in(self, hf_name: str) -> tuple[int, int]:
+        """(out, in) features of one slice, full size, as the Hugging Face module has them."""
+        h, f, q, kv = self.hidden, self.ffn, self.heads * self.head_dim, self.groups * self.head_dim
+        return {
+            "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
+        }[hf_name]  # fmt: skip
+
+
+def scaling(r: int, alpha: float, rslora: bool) -> float:
+    return alpha / (r**0.5) if rslora else alpha / r
+
+
+def fuse_column(
+    module: str, deltas: dict[str, torch.Tensor], geo: Geometry, tp: int
+) -> torch.Tensor:
+    """Put per-slice outputs [s, b, slice/tp] into the fused layout of the base output; missing
+    slices are zero."""
+    ref = next(iter(deltas.values()))
+    lead = ref.shape[:-1]
+
+    def part(name: str, width: int) -> torch.Tensor:
+        t = deltas.get(name)
+        return t if t is not None else ref.new_zeros(*lead, width)
+
+    if module == "linear_fc1":
+        f = geo.ffn // tp
+        return torch.cat([part("gate_proj", f), part("up_proj", f)], dim=-1)
+    g, d = geo.groups // tp, geo.head_dim
+    qpg = geo.heads // geo.groups * d
+    q = part("q_proj", g * qpg).reshape(*lead, g, qpg)
+    k = part("k_proj", g * d).reshape(*lead, g, d)
+    v = part("v_proj", g * d).reshape(*lead, g, d)
+    return torch.cat([q, k, v], dim=-1).reshape(*lead, g * (qpg + 2 * d))
+
+
+def _dropout(x: torch.Tensor, p: float, training: bool, per_rank: bool) -> torch.Tensor:
+    """Dropout on the adapter input. A TP-sharded or sequence-parallel input needs a different mask
+    per TP rank (megatron's tracker RNG); a replicated one the same mask on every rank."""
+    if p == 0.0 or not training:
+        return x
+    if per_rank:
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
+
+
+def column_lora(
+    x,
+    lora_a: dict,
+    lora_b: dict,
+    a_of: dict,
+    *,
+    scale: float,
+    sp: bool,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Adapter outputs of a column-parallel base, per slice: {slice: [s, b, slice_out/tp]}.
+
+    x: the base layer's input ([s/tp, b, h] with SP, else [s, b, h], replicated across TP)."""
+    x = _dropout(x, dropout, training, per_rank=sp)
+    keys = list(lora_a)
+    a = torch.cat([lora_a[k] for k in keys]) if len(keys) > 1 else lora_a[keys[0]]
+    h = F.linear(x, a.to(x.dtype))  # [s(/tp), b, r * n_A]
+    if sp:
+        h = tensor_parallel.gather_from_sequence_parallel_region(
+            h, tensor_parallel_output_grad=True
+        )
+    else:
+        h = tensor_parallel.copy_to_tensor_model_parallel_region(h)
+    parts = dict(zip(keys, h.split([lora_a[k].shape[0] for k in keys], dim=-1)))
+    return {s: F.linear(parts[a_of[s]], b.to(h.dtype)) * scale for s, b in lora_b.items()}
+
+
+def row_lora(
+    x,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    *,
+    scale: float,
+    sp: bool,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
+    """Adapter output of a row-parallel base, in its output state ([s/tp, b, h] with SP, else
+    [s, b, h]). x: the base input [s, b, in/tp]."""
+    x = _dropout(x, dropout, training, per_rank=True)
+    h = F.linear(x, lora_a.to(x.dtype))  # partial sums over this rank's input features
+    if sp:
+        h = tensor_parallel.reduce_scatter_to_sequence_parallel_region(h)
+    else:
+        h = tensor_parallel.reduce_from_tensor_model_parallel_region(h)
+    return F.linear(h, lora_b.to(h.dtype)) * scale
+
+
+def _mark(p: nn.Parameter, *, sharded_dim: int | None, sp: bool) -> nn.Parameter:
+    if sharded_dim is None:
+        p.tensor_model_parallel = False
+        p.partition_dim = -1
+        p.partition_stride = 1
+    else:
+        set_tensor_model_parallel_attributes(p, True, sharded_dim, 1)
+    if sp and sharded_dim is None:
+        p.sequence_parallel = True  # its gradient sees only this rank's sequence chunk
+    return p
+
+
+class LoraParallelLinear(nn.Module):
+    """A frozen megatron linear (`base_layer`) plus LoRA adapters on some of its slices.
+
+    Parameters: `lora_A.<key>` (key: a slice's HF name, or the megatron name for a shared A) and
+    `lora_B.<slice>`. Forward returns the base's (output, bias) with the adapter output added."""
+
+    def __init__(
+        self,
+        base: nn.Module,
+        module: str,
+        slices: dict[str, str],
+        *,
+        geo: Geometry,
+        r: int,
+        scale: float,
+        dropout: float,
+        tp: int,
+        sp: bool,
+        dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.base_layer = base
+        self.module, self.geo, self.tp, self.sp = module, geo, tp, sp
+        self.scale, self.dropout, self.r = scale, dropout, r
+        self.a_of = dict(slices)  # slice -> A key
+        self.column = module in COLUMN
+        self.lora_A = nn.ParameterDict()
+        self.lora_B = nn.ParameterDict()
+        for s, key in slices.items():
+            out, inp = geo.out_in(s)
+            if key not in self.lora_A:
+                a_in = inp if self.column else inp // tp
+                self.lora_A[key] = _mark(nn.Parameter(torch.zeros(r, a_in, dtype=dtype)),
+                                         sharded_dim=None if self.column else 1, sp=sp and self.column)  # fmt: skip
+            b_out = out // tp if self.column else out
+            self.lora_B[s] = _mark(nn.Parameter(torch.zeros(b_out, r, dtype=dtype)),
+                                   sharded_dim=0 if self.column else None, sp=sp and not self.column)  # fmt: skip
+
+    def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+        if self.column:
+            deltas = column_lora(x, dict(self.lora_A), dict(self.lora_B), self.a_of, scale=self.scale,
+                                 sp=self.sp, dropout=self.dropout, training=self.training)  # fmt: skip
+            return fuse_column(self.module, deltas, self.geo, self.tp)
+        (key,), (s,) = list(self.lora_A), list(self.lora_B)
+        return row_lora(x, self.lora_A[key], self.lora_B[s], scale=self.scale, sp=self.sp,
+                        dropout=self.dropout, training=self.training)  # fmt: skip
+
+    def forward(self, x, *args, **kwargs):
+        out, bias = self.base_layer(x, *args, **kwargs)
+        return out + self.lora_delta(x).to(out.dtype), bias
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """Base under `base_layer.`; each sharded adapter tensor with its TP axis, so every TP
+        rank's shard is saved (and replicated ones once)."""
+        sd = sharded_state_dict_default(
+            self.base_layer, f"{prefix}base_layer.", sharded_offsets, metadata
+        )
+        tensors, axes = {}, {}
+        for kind, params in (("lora_A", self.lora_A), ("lora_B", self.lora_B)):
+            for k, p in params.items():
+                tensors[f"{kind}.{k}"] = p
+                if getattr(p, "tensor_model_parallel", False):
+                    axes[f"{kind}.{k}"] = p.partition_dim
+        sd.update(make_sharded_tensors_for_checkpoint(tensors, prefix, axes, sharded_offsets))
+        return sd
