@@ -224,6 +224,7 @@ class ExportConfig:
     output: Optional[str] = None
     merge: bool = False
     dtype: Optional[str] = None  # output dtype; default the checkpoint's
+    max_shard_gb: float = 5.0  # size of each safetensors file of hf_model/
 
 
 @dataclass

@@ -43,6 +43,11 @@ def build_model(cfg: DictConfig, *, vocab_size: int | None = None) -> list[GPTMo
             if not on_cpu:
                 chunk.cuda(torch.cuda.current_device())
             chunks.append(chunk)
+    from ftcore.models import rope
+
+    rope.install(chunks, cfg.model)  # HF's inv_freq from all four llama3 rope_scaling fields
+    if cfg.model.hf_path or cfg.model.init_path:
+        return chunks  # every parameter is loaded next (ftcore.hf.io.load_weights)
     init_weights(
         chunks,
         seed=cfg.run.seed,

@@ -1,0 +1,95 @@
+"""`python -m ftcore.eval +exp=NAME [model.hf_path=DIR] [peft.adapter_path=DIR] data.path=FILE
+[data.format=text] [eval.output=FILE]`: token-weighted mean next-token cross entropy over a dataset.
+
+Writes `{"loss", "tokens", "ppl"}` (tokens = target tokens) to eval.output (default
+`<run.dir>/eval.json`). Runs under any layout (TP/PP/DP) and launches exactly as train does: under
+torchrun/srun, or alone with `launcher.nproc_per_node` local workers. Padded vocab entries are masked
+out of the loss (ftcore.step), so the number is the model's own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from ftcore.cli import run
+from ftcore.errors import FtcoreError
+
+log = logging.getLogger("ftcore")
+
+
+def evaluate(cfg: DictConfig, state=None) -> dict:
+    """Every rank: the loss over data.path (or the validation data) with this run's model."""
+    from megatron.core import parallel_state as ps
+
+    from ftcore import trainer
+    from ftcore.data.pipeline import build_val_batches
+
+    if cfg.eval.accuracy:
+        raise FtcoreError("exact-match accuracy is not implemented in ftcore.eval yet", field="eval.accuracy",
+                          fix="drop eval.accuracy=true")  # fmt: skip
+    state = state or trainer.setup(cfg, data=False)
+    batches = build_val_batches(state.cfg, state.tokenizer, ps.get_data_parallel_rank(), state.dp,
+                                path=state.cfg.data.path or None)  # fmt: skip
+    if not batches:
+        raise FtcoreError(
+            "no evaluation data", field="data.path", fix="point data.path at a JSONL file"
+        )
+    for chunk in state.model:
+        chunk.eval()
+    total, tokens = 0.0, 0.0
+    with torch.no_grad():
+        for microbatches in batches:
+            s, n = trainer.run_batches(state, microbatches, forward_only=True)
+            total, tokens = total + s, tokens + n
+    if tokens == 0:
+        raise FtcoreError("the evaluation data has no target tokens", field="data.path")
+    loss = total / tokens
+    result = {"loss": loss, "tokens": int(tokens), "ppl": math.exp(min(loss, 700.0))}
+    if state.info.rank == 0:
+        out = Path(cfg.eval.output) if cfg.eval.output else state.run_dir / "eval.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(result) + "\n")
+        os.replace(tmp, out)
+        log.info(
+            "eval: loss %.6f over %d target tokens (ppl %.3f) -> %s",
+            loss,
+            result["tokens"],
+            result["ppl"],
+            out,
+        )
+    return result
+
+
+def task(cfg: DictConfig) -> int | None:
+    from ftcore import trainer, validate
+    from ftcore.runtime import dist
+
+    if not dist.under_launcher() and cfg.launcher.nproc_per_node > 1:
+        # Check the config once here (exit 2 before any worker starts), fix run.dir for all ranks.
+        checked = cfg.copy()
+        if checked.model.hf_path:
+            from ftcore.hf.config import merge_hf_config
+
+            checked = merge_hf_config(checked)
+        validate.validate(checked, cfg.launcher.nproc_per_node, training=False)
+        argv = [a for a in sys.argv[1:] if not a.startswith("run.dir=")]
+        argv.append(f"run.dir={trainer.decide_run_dir(cfg)}")
+        return dist.launch_local_workers("ftcore.eval", argv, cfg.launcher.nproc_per_node)
+    try:
+        evaluate(cfg)
+    finally:
+        dist.teardown()
+    return None
+
+
+if __name__ == "__main__":
+    run("eval", task)

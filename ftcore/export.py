@@ -1,0 +1,77 @@
+"""`python -m ftcore.export export.checkpoint=DIR [export.output=DIR] [export.dtype=bf16]`: a
+checkpoint of any layout -> a Hugging Face model directory, in one process, one tensor at a time.
+
+DIR is a `checkpoints/step_<N>` directory, a `checkpoints/` directory (its `latest`) or a run
+directory. The model's shapes and tokenizer come from the run's `config.yaml`. The output defaults
+to `<run.dir>/hf_model`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from ftcore.cli import run
+from ftcore.errors import FtcoreError
+
+
+def resolve_step_dir(path: str) -> Path:
+    p = Path(path).expanduser()
+    for root in (p, p / "checkpoints"):
+        if (root / ".metadata").is_file():
+            return root
+        latest = root / "latest"
+        if latest.is_file():
+            step = root / latest.read_text().strip()
+            if (step / ".metadata").is_file():
+                return step
+            raise FtcoreError(
+                f"{latest} points at {step}, which is not a complete checkpoint",
+                field="export.checkpoint",
+            )
+    raise FtcoreError(f"no checkpoint at {p}", field="export.checkpoint",
+                      fix="point it at <run.dir>/checkpoints/step_<N>, <run.dir>/checkpoints or <run.dir>")  # fmt: skip
+
+
+def run_config(step_dir: Path) -> DictConfig:
+    """The run's config: the copy saved with the checkpoint, else <run.dir>/config.yaml."""
+    for f in (step_dir / "config.yaml", step_dir.parent.parent / "config.yaml"):
+        if f.is_file():
+            return OmegaConf.load(f)
+    raise FtcoreError(f"no config.yaml next to {step_dir} (nor in its run directory)", field="export.checkpoint",
+                      fix="export needs the run's config.yaml for the model shapes and tokenizer")  # fmt: skip
+
+
+def merge_transform(cfg: DictConfig, run_cfg: DictConfig, step_dir: Path):
+    """export.merge=true: fold LoRA adapters into the base weights (provided by ftcore.peft)."""
+    if not cfg.export.merge:
+        return None
+    from ftcore.precision import check_merge
+
+    check_merge(run_cfg)  # an FP8/FP4-trained base would round the low-rank update away
+    try:
+        from ftcore.peft.export import merge_transform as peft_merge
+    except ImportError as e:
+        raise FtcoreError(
+            "export.merge needs ftcore.peft.export.merge_transform", field="export.merge"
+        ) from e
+    return peft_merge(cfg, run_cfg, step_dir)
+
+
+def task(cfg: DictConfig) -> int | None:
+    from ftcore.hf.export import export_checkpoint
+
+    if not cfg.export.checkpoint:
+        raise FtcoreError("no checkpoint given", field="export.checkpoint",
+                          fix="export.checkpoint=<run.dir>/checkpoints/step_<N>")  # fmt: skip
+    step_dir = resolve_step_dir(cfg.export.checkpoint)
+    run_cfg = run_config(step_dir)
+    out = cfg.export.output or str(step_dir.parent.parent / "hf_model")
+    export_checkpoint(step_dir, run_cfg, out, dtype=cfg.export.dtype, max_shard_gb=cfg.export.max_shard_gb,
+                      transform=merge_transform(cfg, run_cfg, step_dir))  # fmt: skip
+    return None
+
+
+if __name__ == "__main__":
+    run("export", task)

@@ -1,0 +1,235 @@
+"""Write a Hugging Face model directory (safetensors shards + index + config.json + tokenizer),
+streaming tensor by tensor: from a live run (`write_hf_model`, every rank) or from a checkpoint
+of any layout (`export_checkpoint`, one process).
+
+The file plan (which HF tensor goes into which shard) is computed from the config before any
+tensor exists, so each shard's header is written first and each tensor is written at its place
+as soon as it is produced, then dropped. Vocab padding is removed; fused megatron tensors are split
+back into q/k/v and gate/up. `transform(global_name, full_tensor) -> tensor` is an optional hook
+applied to every full megatron tensor before it is mapped (LoRA merge plugs in here).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ftcore.hf import mappings
+from ftcore.hf.config import hf_config_dict
+from ftcore.hf.io import INDEX, StreamWriter
+
+log = logging.getLogger("ftcore")
+Transform = Callable[[str, torch.Tensor], torch.Tensor]
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
+DTYPE_JSON = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass
+class ShardFile:
+    name: str
+    owner: int
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def plan_files(s: mappings.Shapes, dtype: torch.dtype, owner: Callable[[str], int],
+               max_bytes: float) -> list[ShardFile]:  # fmt: skip
+    """HF tensors in order, cut into files at max_bytes and wherever the writing rank changes."""
+    files: list[ShardFile] = []
+    size = torch.empty((), dtype=dtype).element_size()
+    for name in mappings.hf_names(s):
+        shape = mappings.hf_shape(name, s)
+        n = torch.Size(shape).numel() * size
+        who = owner(name)
+        if (
+            not files
+            or files[-1].owner != who
+            or (files[-1].entries and files[-1].nbytes + n > max_bytes)
+        ):
+            files.append(ShardFile("", who))
+        files[-1].entries.append((name, dtype, shape))
+        files[-1].nbytes += n
+    for k, f in enumerate(files):
+        f.name = (
+            "model.safetensors"
+            if len(files) == 1
+            else f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
+        )
+    return files
+
+
+def write_index(out: Path, files: list[ShardFile]) -> None:
+    if len(files) == 1:
+        return
+    weight_map = {name: f.name for f in files for name, _, _ in f.entries}
+    index = {"metadata": {"total_size": sum(f.nbytes for f in files)}, "weight_map": weight_map}
+    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_metadata(out: Path, model_cfg, dtype: torch.dtype, tokenizer_dir: str | None) -> None:
+    """config.json, the tokenizer (with its chat template) and the source's generation config."""
+    tok = None
+    if tokenizer_dir:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tok.save_pretrained(str(out))
+    cfg = hf_config_dict(model_cfg, dtype=DTYPE_JSON[dtype], tokenizer=tok)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    src = model_cfg.get("hf_path")
+    if src and (Path(src) / "generation_config.json").is_file():
+        shutil.copy(Path(src) / "generation_config.json", out / "generation_config.json")
+
+
+def write_tensors(out: Path, files: list[ShardFile], mine: Iterable[tuple[str, torch.Tensor]],
+                  s: mappings.Shapes, rank: int, transform: Transform | None = None) -> None:  # fmt: skip
+    """Write this rank's files from (global name, full megatron tensor) pairs, one at a time."""
+    where = {name: f for f in files for name, _, _ in f.entries}
+    writers = {f.name: StreamWriter(out / f.name, f.entries) for f in files if f.owner == rank}
+    try:
+        for name, full in mine:
+            if transform is not None:
+                full = transform(name, full)
+            mp = mappings.resolve(name, s.tie)
+            for hf, t in mappings.to_hf(mp, full, s).items():
+                writers[where[hf].name].add(hf, t)
+            del full
+        for w in writers.values():
+            w.close()
+    finally:
+        for w in writers.values():
+            if not w.f.closed:
+                w.f.close()
+
+
+def exported_names(names: Iterable[str], tie: bool) -> list[str]:
+    """The megatron parameters that export writes (a tied output layer is the embedding)."""
+    return [
+        n
+        for n in names
+        if mappings.resolve(n, tie) is not None and not (tie and n == "output_layer.weight")
+    ]
+
+
+def _finish_dir(tmp: Path, out: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+def write_hf_model(
+    state, transform: Transform | None = None, out: str | Path | None = None
+) -> Path:
+    """`<run.dir>/hf_model/` from the live model (every rank calls it; TP shards are gathered per
+    tensor inside each TP group; tp rank 0 of dp rank 0 of each pipeline stage writes its files)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from ftcore.models.sharding import iter_params, join_shards, shard_info
+    from ftcore.tokenizer import tokenizer_source
+
+    cfg = state.cfg
+    out = Path(out) if out else state.run_dir / "hf_model"
+    tmp = out.with_name("." + out.name + ".tmp")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    s = mappings.Shapes.from_cfg(cfg.model)
+    params = [(n, p) for n, p in iter_params(state.model)]
+    names = exported_names([n for n, _ in params], s.tie)
+    dtype = DTYPES[cfg.export.dtype] if cfg.export.get("dtype") else params[0][1].dtype
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    writer = tp_rank == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    produced = [h for n in names for h in mappings.resolve(n, s.tie).hf] if writer else []
+    gathered = [produced]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, produced)
+    owners = {h: r for r, hs in enumerate(gathered) for h in hs}
+    files = plan_files(s, dtype, lambda h: owners[h], cfg.export.max_shard_gb * 1e9)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+
+    def full_tensors():
+        group = ps.get_tensor_model_parallel_group()
+        for name, p in params:
+            if name not in names:
+                continue
+            data = p.detach().contiguous()
+            if tp > 1:
+                shards = [torch.empty_like(data) for _ in range(tp)]
+                dist.all_gather(shards, data, group=group)
+                data = join_shards(shards, shard_info(name, p, tp))
+                del shards
+            yield name, data
+
+    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
+        stream = full_tensors()
+        if writer:
+            write_tensors(tmp, files, stream, s, rank, transform)
+        else:
+            for _ in stream:  # take part in the TP gathers
+                pass
+    _barrier()
+    if rank == 0:
+        src, _ = tokenizer_source(cfg)
+        write_metadata(tmp, cfg.model, dtype, src)
+        write_index(tmp, files)
+        _finish_dir(tmp, out)
+        log.info("wrote %s (%d safetensors files)", out, len(files))
+    _barrier()
+    return out
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def export_checkpoint(step_dir: str | Path, run_cfg, out: str | Path, *, dtype: str | None = None,
+                      max_shard_gb: float = 5.0, transform: Transform | None = None) -> Path:  # fmt: skip
+    """One process: a checkpoint of any layout -> an HF directory, one tensor in memory at a time."""
+    from ftcore.errors import FtcoreError
+    from ftcore.hf.ckpt_reader import CheckpointReader
+    from ftcore.tokenizer import tokenizer_source
+
+    reader = CheckpointReader(step_dir)
+    s = mappings.Shapes.from_cfg(run_cfg.model)
+    names = exported_names(_global_names(s), s.tie)
+    missing = [n for n in names if not reader.has(n)]
+    if missing:
+        raise FtcoreError(f"{step_dir} lacks {missing[0]} (and {len(missing) - 1} more) for the model in "
+                          "its config.yaml", field="export.checkpoint")  # fmt: skip
+    torch_dtype = DTYPES[dtype] if dtype else reader.meta(names[0])[1]
+    files = plan_files(s, torch_dtype, lambda h: 0, max_shard_gb * 1e9)
+    out = Path(out)
+    tmp = out.with_name("." + out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write_tensors(tmp, files, ((n, reader.read(n)) for n in names), s, 0, transform)
+    src, _ = tokenizer_source(run_cfg)
+    write_metadata(tmp, run_cfg.model, torch_dtype, src)
+    write_index(tmp, files)
+    _finish_dir(tmp, out)
+    log.info("exported %s -> %s (%d safetensors files)", step_dir, out, len(files))
+    return out
+
+
+def _global_names(s: mappings.Shapes) -> list[str]:
+    """Every megatron parameter of the model (local-spec names), in model order."""
+    names = ["embedding.word_embeddings.weight"]
+    for i in range(s.layers):
+        p = f"decoder.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight",
+                  p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight",
+                  p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]  # fmt: skip
+    return names + ["decoder.final_layernorm.weight", "output_layer.weight"]

@@ -1,0 +1,218 @@
+"""Stream Hugging Face safetensors in (only this rank's rows/columns) and out (tensor by tensor).
+
+Loading never builds a full model in one process: for every parameter a rank holds, the mapping
+(hf/mappings.py) names the rows/columns of the HF tensors that make its TP shard, and
+`safe_open(...).get_slice` copies just those bytes out of the memory-mapped file. Each file is
+opened per read, so no mapping (and none of its touched pages) outlives the tensor being loaded.
+Writing produces the safetensors format directly: the header is known up front (names, dtypes,
+shapes), so tensors are appended one at a time and never held together.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from ftcore.errors import FtcoreError
+from ftcore.hf import mappings
+
+log = logging.getLogger("ftcore")
+INDEX = "model.safetensors.index.json"
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def _header(path: Path, field: str, wanted: str | None = None) -> dict:
+    """The JSON header of a safetensors file, checked against the file's size (truncation)."""
+    what = f" (holding {wanted})" if wanted else ""
+    if not path.is_file():
+        raise FtcoreError(f"safetensors shard {path}{what} is missing", field=field,
+                          fix="copy the complete model directory (every file the index names)")  # fmt: skip
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError("header longer than the file")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error) as e:
+        raise FtcoreError(f"{path}{what} is not a readable safetensors file ({e})", field=field,
+                          fix="re-download or re-save the shard") from e  # fmt: skip
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise FtcoreError(f"{path}{what} is truncated: {size} bytes, its header needs {8 + n + end}",
+                          field=field, fix="re-download or re-save the shard")  # fmt: skip
+    return header
+
+
+class SafetensorsDir:
+    """The tensors of a local HF directory: name -> (file, dtype, shape), from the index or headers."""
+
+    def __init__(self, path: str | Path, field: str = "model.hf_path"):
+        self.root, self.field = Path(path), field
+        index = self.root / INDEX
+        self.files: dict[str, Path] = {}
+        self._headers: dict[Path, dict] = {}
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError) as e:
+                raise FtcoreError(
+                    f"{index} is not a valid safetensors index ({e})", field=field
+                ) from e
+            self.files = {k: self.root / v for k, v in weight_map.items()}
+        else:
+            shards = sorted(self.root.glob("*.safetensors"))
+            if not shards:
+                raise FtcoreError(f"{self.root} holds no *.safetensors files", field=field,
+                                  fix="save the model with safe_serialization (the default)")  # fmt: skip
+            for p in shards:
+                for k in self._header(p):
+                    if k != "__metadata__":
+                        self.files[k] = p
+
+    def _header(self, path: Path, wanted: str | None = None) -> dict:
+        if path not in self._headers:
+            self._headers[path] = _header(path, self.field, wanted)
+        return self._headers[path]
+
+    def entry(self, name: str) -> tuple[Path, dict]:
+        if name not in self.files:
+            raise FtcoreError(f"tensor {name} is not in {self.root}", field=self.field,
+                              fix="is this a Llama checkpoint matching its config.json?")  # fmt: skip
+        path = self.files[name]
+        header = self._header(path, name)
+        if name not in header:
+            raise FtcoreError(
+                f"{path} does not hold tensor {name} (the index says it does)", field=self.field
+            )
+        return path, header[name]
+
+    def check_shape(self, name: str, expected: tuple[int, ...]) -> None:
+        path, meta = self.entry(name)
+        if tuple(meta["shape"]) != tuple(expected):
+            raise FtcoreError(
+                f"{path}: tensor {name} has shape {tuple(meta['shape'])}, the config implies {tuple(expected)}",
+                field=self.field, fix="config.json and the safetensors files must come from the same model",
+            )  # fmt: skip
+
+    def read(self, piece: mappings.Piece) -> torch.Tensor:
+        """Only the rows/columns of `piece`, copied out of the memory-mapped file."""
+        from safetensors import SafetensorError, safe_open
+
+        path, _ = self.entry(piece.hf)
+        r = slice(*piece.rows) if piece.rows else slice(None)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                sl = f.get_slice(piece.hf)
+                if len(sl.get_shape()) == 1:
+                    return sl[r]
+                return sl[r, slice(*piece.cols)] if piece.cols else sl[r]
+        except (SafetensorError, OSError) as e:
+            raise FtcoreError(f"cannot read tensor {piece.hf} from {path}: {e}", field=self.field,
+                              fix="re-download or re-save the shard") from e  # fmt: skip
+
+
+def weights_source(cfg: DictConfig) -> tuple[Path, str]:
+    """(directory, config field): model.hf_path, else model.init_path (relative to the assets)."""
+    if cfg.model.hf_path:
+        return Path(cfg.model.hf_path).expanduser(), "model.hf_path"
+    p = Path(cfg.model.init_path).expanduser()
+    if not p.exists():
+        from ftcore.config import assets_dir
+
+        p = assets_dir() / cfg.model.init_path
+    if not p.is_dir():
+        raise FtcoreError(f"{cfg.model.init_path} is not a directory (nor one under the bundled assets)",
+                          field="model.init_path")  # fmt: skip
+    return p, "model.init_path"
+
+
+@torch.no_grad()
+def load_weights(cfg: DictConfig, chunks: list) -> None:
+    """Every parameter of this rank's chunks from the HF directory, reading only this rank's slices."""
+    from megatron.core import parallel_state as ps
+
+    from ftcore.models.sharding import iter_params, shard_info
+
+    root, field = weights_source(cfg)
+    st = SafetensorsDir(root, field)
+    shapes = mappings.Shapes.from_cfg(cfg.model)
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    for name, p in iter_params(chunks):
+        mp = mappings.resolve(name, shapes.tie)
+        if mp is None:
+            raise FtcoreError(f"parameter {name} has no Hugging Face counterpart", field=field,
+                              fix="load HF weights before adding adapters; only Llama layers are mapped")  # fmt: skip
+        for h in mp.hf:
+            st.check_shape(h, mappings.hf_shape(h, shapes))
+        info = shard_info(name, p, tp)
+        parts = []
+        for piece in mappings.shard_pieces(mp, info, shapes, tp_rank, tp):
+            if piece.hf is None:
+                parts.append(
+                    torch.zeros(
+                        (piece.rows[1] - piece.rows[0],) + tuple(p.shape[1:]), dtype=p.dtype
+                    )
+                )
+            else:
+                parts.append(st.read(piece).to(p.dtype))
+        shard = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if tuple(shard.shape) != tuple(p.shape):
+            raise FtcoreError(f"{name}: built shard {tuple(shard.shape)} from {', '.join(mp.hf)} but the "
+                              f"parameter is {tuple(p.shape)}", field=field)  # fmt: skip
+        p.copy_(shard)
+        del parts, shard
+    log.info("loaded %s weights from %s", field, root)
+
+
+class StreamWriter:
+    """One safetensors file written tensor by tensor: the header first (from the planned names,
+    dtypes and shapes), then each tensor's bytes at its planned offset as it arrives."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]):
+        self.path, self.entries, self.pending = path, {}, set()
+        header, offset = {}, 0
+        for name, dtype, shape in entries:
+            n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            header[name] = {
+                "dtype": DTYPE_NAMES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + n],
+            }
+            self.entries[name] = (dtype, tuple(shape), offset)
+            offset += n
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.tmp = path.with_name(path.name + ".tmp")
+        self.f = open(self.tmp, "wb")
+        self.f.write(struct.pack("<Q", len(raw)) + raw)
+        self.data_start = 8 + len(raw)
+        self.pending = set(self.entries)
+        self.f.truncate(self.data_start + offset)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Write one planned tensor (any order: each has its own place in the file)."""
+        dtype, shape, offset = self.entries[name]
+        if tuple(tensor.shape) != shape or name not in self.pending:
+            raise RuntimeError(
+                f"{self.path}: unexpected {name}{tuple(tensor.shape)} (planned {shape})"
+            )
+        t = tensor.detach().to("cpu", dtype).contiguous().reshape(-1)
+        self.f.seek(self.data_start + offset)
+        if t.numel():
+            self.f.write(t.view(torch.uint8).numpy().data)
+        self.pending.discard(name)
+
+    def close(self) -> None:
+        if self.pending:
+            raise RuntimeError(f"{self.path}: never written: {', '.join(sorted(self.pending))}")
+        self.f.close()
+        os.replace(self.tmp, self.path)
