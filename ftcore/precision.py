@@ -430,8 +430,8 @@ def check_merge(cfg: DictConfig) -> None:
         f"merging the adapter into a {fmt} base ({cfg.precision.name}) is refused: the low-rank "
         f"update is smaller than the {fmt} rounding step of the base weights and would round away",
         field="export.merge",
-        fix="export the adapter alone (export.merge=false) and serve base + adapter, or merge for a "
-        "BF16 deployment with precision=bf16",
+        fix="export the adapter alone (export.merge=false: hf_adapter/) and serve it unmerged on the "
+        "base; merging is for runs trained in bf16 or fp32",
     )
 
 

@@ -321,3 +321,11 @@ def test_cluster_supports(configs):
     assert not precision.cluster_supports(with_(configs["nvfp4"], **h100))[0]
     b200 = dict(cluster__device="cuda", cluster__compute_capability=10.0)
     assert precision.cluster_supports(with_(configs["nvfp4"], **b200))[0]
+
+
+def test_export_refuses_merging_into_an_fp8_trained_base(configs, tmp_path):
+    export = pytest.importorskip("ftcore.export")
+    cfg = with_(configs["bf16"], export__merge=True)
+    with pytest.raises(FtcoreError, match="round away") as e:
+        export.merge_transform(cfg, with_(configs["fp8_cs"], peft__name="lora"), tmp_path)
+    assert e.value.field == "export.merge"
