@@ -189,69 +189,42 @@ def te_recipe(cfg: DictConfig):
 # ---------------------------------------------------------------- checks
 
 
+def _require(ok: bool, message: str, field: str, fix: Optional[str] = None) -> None:
+    if not ok:
+        raise FtcoreError(message, field=field, fix=fix)
+
+
 def check_config(cfg: DictConfig) -> None:
     """Device-independent rules of the precision section (also run by check_hardware)."""
     p = cfg.precision
-    if p.params_dtype not in DTYPES:
-        raise FtcoreError(
-            f"{p.params_dtype!r} is not one of fp32, bf16", field="precision.params_dtype"
-        )
-    if p.fp8_recipe and p.fp4_recipe:
-        raise FtcoreError(
-            "set fp8_recipe or fp4_recipe, not both",
-            field="precision",
-            fix="pick one option: precision=fp8_cs, precision=nvfp4, ...",
-        )
-    if p.fp8_recipe and (p.fp8_recipe not in RECIPES or RECIPES[p.fp8_recipe].kind != "fp8"):
-        raise FtcoreError(
-            f"{p.fp8_recipe!r} is not one of delayed, tensorwise, blockwise, mxfp8",
-            field="precision.fp8_recipe",
-        )
-    if p.fp4_recipe and p.fp4_recipe != "nvfp4":
-        raise FtcoreError(f"{p.fp4_recipe!r} is not nvfp4", field="precision.fp4_recipe")
-    if p.get("fp8_format") not in (None, *FP8_FORMATS):
-        raise FtcoreError(
-            f"{p.fp8_format!r} is not one of e4m3, hybrid", field="precision.fp8_format"
-        )
-    if p.fp8_amax_compute_algo not in AMAX_ALGOS:
-        raise FtcoreError(
-            f"{p.fp8_amax_compute_algo!r} is not one of max, most_recent",
-            field="precision.fp8_amax_compute_algo",
-        )
+    _require(p.params_dtype in DTYPES, f"{p.params_dtype!r} is not one of fp32, bf16",
+             "precision.params_dtype")  # fmt: skip
+    _require(not (p.fp8_recipe and p.fp4_recipe), "set fp8_recipe or fp4_recipe, not both", "precision",
+             "pick one option: precision=fp8_cs, precision=nvfp4, ...")  # fmt: skip
+    fp8_names = [k for k, v in RECIPES.items() if v.kind == "fp8"]
+    _require(p.fp8_recipe in (None, *fp8_names), f"{p.fp8_recipe!r} is not one of {', '.join(fp8_names)}",
+             "precision.fp8_recipe")  # fmt: skip
+    _require(p.fp4_recipe in (None, "nvfp4"), f"{p.fp4_recipe!r} is not nvfp4",
+             "precision.fp4_recipe")  # fmt: skip
+    _require(p.get("fp8_format") in (None, *FP8_FORMATS), f"{p.get('fp8_format')!r} is not one of e4m3, hybrid",
+             "precision.fp8_format")  # fmt: skip
+    _require(p.fp8_amax_compute_algo in AMAX_ALGOS, f"{p.fp8_amax_compute_algo!r} is not one of max, most_recent",
+             "precision.fp8_amax_compute_algo")  # fmt: skip
     name = recipe_name(cfg)
     if name is None:
         for key in ("fp8_param_gather", "fp8_attention"):
-            if p[key]:
-                raise FtcoreError(
-                    f"{p.name} has no FP8/FP4 GEMMs",
-                    field=f"precision.{key}",
-                    fix=f"set precision.{key}=false or pick an FP8/FP4 precision",
-                )
-        if p.first_last_bf16_layers:
-            raise FtcoreError(
-                f"{p.name} has no FP8/FP4 layers to keep in BF16",
-                field="precision.first_last_bf16_layers",
-                fix="set it to 0",
-            )
+            _require(not p[key], f"{p.name} has no FP8/FP4 GEMMs", f"precision.{key}",
+                     f"set precision.{key}=false or pick an FP8/FP4 precision")  # fmt: skip
+        _require(not p.first_last_bf16_layers, f"{p.name} has no FP8/FP4 layers to keep in BF16",
+                 "precision.first_last_bf16_layers", "set it to 0")  # fmt: skip
         return
-    if not p.te_layers:
-        raise FtcoreError(
-            f"{p.name} runs through Transformer Engine layers",
-            field="precision.te_layers",
-            fix="set precision.te_layers=true, or use precision=bf16",
-        )
-    if p.params_dtype != "bf16":
-        raise FtcoreError(
-            f"{p.name} keeps its high-precision weights in BF16",
-            field="precision.params_dtype",
-            fix="set precision.params_dtype=bf16",
-        )
-    if p.fp8_attention and name not in ("delayed", "tensorwise"):
-        raise FtcoreError(
-            f"FP8 attention is supported with delayed or tensorwise scaling, not {name}",
-            field="precision.fp8_attention",
-            fix="set precision.fp8_attention=false or use precision=fp8_cs",
-        )
+    _require(p.te_layers, f"{p.name} runs through Transformer Engine layers", "precision.te_layers",
+             "set precision.te_layers=true, or use precision=bf16")  # fmt: skip
+    _require(p.params_dtype == "bf16", f"{p.name} keeps its high-precision weights in BF16",
+             "precision.params_dtype", "set precision.params_dtype=bf16")  # fmt: skip
+    _require(not p.fp8_attention or name in ("delayed", "tensorwise"),
+             f"FP8 attention is supported with delayed or tensorwise scaling, not {name}",
+             "precision.fp8_attention", "set precision.fp8_attention=false or use precision=fp8_cs")  # fmt: skip
     _check_first_last(cfg, name)
     _check_alignment(cfg, name)
 
@@ -259,56 +232,36 @@ def check_config(cfg: DictConfig) -> None:
 def _check_first_last(cfg: DictConfig, name: str) -> None:
     n, layers, pp = cfg.precision.first_last_bf16_layers, cfg.model.num_layers, cfg.parallel.pp
     field = "precision.first_last_bf16_layers"
-    if n < 0:
-        raise FtcoreError(f"must be >= 0, got {n}", field=field)
+    _require(n >= 0, f"must be >= 0, got {n}", field)
     if n == 0:
         return
-    if name == "delayed":
-        raise FtcoreError(
-            "delayed scaling shares one amax history across the model and cannot leave layers in BF16",
-            field=field,
-            fix="set it to 0, or use precision=fp8_cs (current scaling)",
-        )
-    if 2 * n >= layers:
-        raise FtcoreError(
-            f"{n} BF16 layers at each end leave none of {layers} in {name}",
-            field=field,
-            fix="use a smaller number, or precision=bf16",
-        )
-    if n > layers // pp:
-        raise FtcoreError(
-            f"{n} is more than the {layers // pp} layers of one pipeline stage",
-            field=field,
-            fix=f"use at most {layers // pp}",
-        )
+    _require(name != "delayed",
+             "delayed scaling shares one amax history across the model and cannot leave layers in BF16",
+             field, "set it to 0, or use precision=fp8_cs (current scaling)")  # fmt: skip
+    _require(2 * n < layers, f"{n} BF16 layers at each end leave none of {layers} in {name}", field,
+             "use a smaller number, or precision=bf16")  # fmt: skip
+    _require(n <= layers // pp, f"{n} is more than the {layers // pp} layers of one pipeline stage", field,
+             f"use at most {layers // pp}")  # fmt: skip
 
 
 def _check_alignment(cfg: DictConfig, name: str) -> None:
     """TE's FP8/FP4 GEMMs need every GEMM dimension to be a multiple of a small number."""
-    kind = "mxfp8" if name == "mxfp8" else RECIPES[name].kind
-    tok_align, feat_align = ALIGN[kind]
-    m, par, d = cfg.model, cfg.parallel, cfg.data
+    tok_align, feat_align = ALIGN["mxfp8" if name == "mxfp8" else RECIPES[name].kind]
+    m, par = cfg.model, cfg.parallel
     kv = m.kv_channels or m.hidden_size // m.num_attention_heads
-    tp = par.tp
     feats = {
         "model.hidden_size": m.hidden_size,
-        "model.ffn_hidden_size (per TP rank)": m.ffn_hidden_size // tp,
-        "model.num_attention_heads x kv_channels (per TP rank)": m.num_attention_heads * kv // tp,
+        "model.ffn_hidden_size (per TP rank)": m.ffn_hidden_size // par.tp,
+        "heads x kv_channels (per TP rank)": (m.num_attention_heads * kv) // par.tp,
     }
     for what, size in feats.items():
-        if size % feat_align:
-            raise FtcoreError(
-                f"{what}={size} is not a multiple of {feat_align}, which {name} GEMMs need",
-                field="precision",
-                fix="use precision=bf16 for this model shape",
-            )
-    tokens = cfg.train.micro_batch_size * d.seq_len // par.cp // (tp if par.sp else 1)
-    if tokens % tok_align:
-        raise FtcoreError(
-            f"a micro-batch holds {tokens} tokens per rank, not a multiple of {tok_align} as {name} needs",
-            field="data.seq_len",
-            fix=f"make micro_batch_size*seq_len a multiple of {tok_align * par.cp * (tp if par.sp else 1)}",
-        )
+        _require(size % feat_align == 0, f"{what}={size} is not a multiple of {feat_align}, which {name} "
+                 "GEMMs need", "precision", "use precision=bf16 for this model shape")  # fmt: skip
+    split = par.cp * (par.tp if par.sp else 1)  # the sequence is cut this many ways per rank
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len // split
+    _require(tokens % tok_align == 0,
+             f"a micro-batch holds {tokens} tokens per rank, not a multiple of {tok_align} as {name} needs",
+             "data.seq_len", f"make micro_batch_size*seq_len a multiple of {tok_align * split}")  # fmt: skip
 
 
 def runs_on_cuda(cfg: DictConfig) -> bool:
@@ -357,63 +310,36 @@ def check_hardware(cfg: DictConfig) -> None:
     check_config(cfg)
     p, name = cfg.precision, recipe_name(cfg)
     if name is not None and cfg.peft.name == "qlora":
-        raise FtcoreError(
-            "QLoRA keeps the frozen base in NF4 (bitsandbytes), so its GEMMs cannot also be "
-            f"{RECIPES[name].kind.upper()}",
-            field="precision",
-            fix=f"use peft=lora with precision={p.name}, or peft=qlora with precision=bf16",
-        )
+        raise FtcoreError(f"QLoRA keeps the frozen base in NF4 (bitsandbytes), so its GEMMs cannot also be "
+                          f"{RECIPES[name].kind.upper()}", field="precision",
+                          fix=f"use peft=lora with precision={p.name}, or peft=qlora with precision=bf16")  # fmt: skip
     on_cuda = runs_on_cuda(cfg)
     if name is None:
-        if on_cuda and p.params_dtype == "bf16" and _capability() < 8.0:
-            raise FtcoreError(
-                f"BF16 needs compute capability >= 8.0; this GPU has {_capability():.1f}",
-                field="precision",
-                fix="use precision=fp32",
-            )
+        if on_cuda and p.params_dtype == "bf16":
+            _require(_capability() >= 8.0, f"BF16 needs compute capability >= 8.0; this GPU has "
+                     f"{_capability():.1f}", "precision", "use precision=fp32")  # fmt: skip
         return
     info = RECIPES[name]
     if not on_cuda:
         where = (
             "no CUDA device is visible"
             if not torch.cuda.is_available()
-            else "cluster.device=cpu runs this job on CPU"
+            else "cluster.device=cpu runs it on CPU"
         )
-        raise FtcoreError(
-            f"{p.name} runs its GEMMs in {info.kind.upper()} (Transformer Engine {info.te_class}) "
-            f"and needs a CUDA GPU of {info.hardware}, but {where}",
-            field="precision",
-            fix=f"on CPU use precision=bf16 or precision=fp32 (ftcore.plan still plans {p.name} jobs)",
-        )
+        raise FtcoreError(f"{p.name} runs its GEMMs in {info.kind.upper()} (Transformer Engine {info.te_class}) "
+                          f"and needs a CUDA GPU of {info.hardware}, but {where}", field="precision",
+                          fix=f"on CPU use precision=bf16 or precision=fp32 (ftcore.plan still plans {p.name} jobs)")  # fmt: skip
     cc, cuda = _capability(), _cuda_version()
+    instead = f"use precision={fallback(cc, p.name, cuda)} on this GPU"
     ok, why = supported_on(name, cc, cuda)
-    if not ok:
-        raise FtcoreError(
-            f"{p.name} {why}",
-            field="precision",
-            fix=f"use precision={fallback(cc, p.name, cuda)} on this GPU",
-        )
+    _require(ok, f"{p.name} {why}", "precision", instead)
     version = te_version()
-    if version is None:
-        raise FtcoreError(
-            f"{p.name} needs Transformer Engine, which is not installed",
-            field="precision",
-            fix="pip install 'ftcore[gpu]' (or use the NGC PyTorch image), or precision=bf16",
-        )
-    if _older(version, info.min_te):
-        raise FtcoreError(
-            f"{p.name} ({info.te_class}) needs Transformer Engine >= {info.min_te}; "
-            f"{version} is installed",
-            field="precision",
-            fix=f"upgrade transformer-engine, or use precision={fallback(cc, p.name, cuda)}",
-        )
+    _require(version is not None, f"{p.name} needs Transformer Engine, which is not installed", "precision",
+             "pip install 'ftcore[gpu]' (or use the NGC PyTorch image), or precision=bf16")  # fmt: skip
+    _require(not _older(version, info.min_te), f"{p.name} ({info.te_class}) needs Transformer Engine >= "
+             f"{info.min_te}; {version} is installed", "precision", f"upgrade transformer-engine, or {instead}")  # fmt: skip
     ok, why = te_supports(name)
-    if not ok:
-        raise FtcoreError(
-            f"{p.name}: Transformer Engine says {why}",
-            field="precision",
-            fix=f"use precision={fallback(cc, p.name, cuda)} on this GPU",
-        )
+    _require(ok, f"{p.name}: Transformer Engine says {why}", "precision", instead)
 
 
 def check_merge(cfg: DictConfig) -> None:
