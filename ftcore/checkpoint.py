@@ -1,22 +1,30 @@
-"""Checkpoints with megatron-core dist_checkpointing: synchronous on CPU, published atomically.
+"""Checkpoints with megatron-core dist_checkpointing, published atomically; resume from `latest`.
 
-Layout (DESIGN.md): `<run.dir>/checkpoints/step_<N>/` is complete or absent (written under a
-temporary name, then renamed); `checkpoints/latest` holds `step_<N>` and is replaced atomically.
+Layout (DESIGN.md): `<run.dir>/checkpoints/step_<N>/` is complete or absent; `checkpoints/latest`
+holds `step_<N>` and is replaced atomically. A save writes `.tmp_step_<N>/`, verifies it (every
+tensor whole, every file there), writes `manifest.json` (sizes + CRC32), renames it to `step_<N>`,
+then replaces `latest`, then drops checkpoints beyond `checkpoint.keep`. A crash at any moment
+leaves the previous `latest`. On GPU the tensor files are written in the background
+(`checkpoint.async_save`) and the publish runs when every rank's writes are done; on CPU the
+save is synchronous (megatron's async writer hangs there, see shared/notes/megatron_on_cpu.md).
+What the checkpoint holds and how a run is restored: ftcore/resume.py.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import multiprocessing as mp
 import os
+import queue
 import shutil
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core import parallel_state as ps
 
+from ftcore import ckpt_files, resume
 from ftcore.errors import FtcoreError
 from ftcore.runtime import cpu
 
@@ -28,34 +36,53 @@ def ckpt_root(state) -> Path:
 
 
 def exists(state, step: int) -> bool:
-    return (ckpt_root(state) / f"step_{step}").is_dir()
+    """A published or pending (async, not yet published) checkpoint of `step`."""
+    pending = state.extra.get("ckpt_pending")
+    if pending is not None and pending[0] == step:
+        return True
+    return (ckpt_root(state) / f"step_{step}" / ckpt_files.MANIFEST).is_file()
 
 
-def _sync_writer() -> None:
-    """megatron's filesystem writer collects results through a `spawn` Manager queue, which hangs
-    on CPU; a fork-context queue carries the same results synchronously."""
+def _write_in_process(request) -> None:
+    """CPU: run megatron's write plan synchronously in this process. Its writer forks one process
+    per file bucket and collects results through a `spawn` Manager queue, which hangs on CPU (and
+    daemonic workers may not fork); the same per-bucket writer, called here, writes the same files."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    fn = request.async_fn
+    if fn is not None:
+        if not (
+            isinstance(fn, functools.partial)
+            and fn.func.__name__ == "write_preloaded_data_multiproc"
+        ):
+            request.execute_sync()  # another megatron version: its own synchronous path
+            return
+        transform_list = fn.args[0]
+        _rank, buckets, results_queue = request.async_fn_args
+        if request.preload_fn is not None:
+            buckets = request.preload_fn()
+        results = {}
+        for i, bucket in enumerate(buckets):
+            local, count = queue.Queue(), queue.Queue()
+            count.put(i)
+            fa.FileSystemWriterAsync.write_preloaded_data(
+                transform_list, i, bucket, local, count, True
+            )
+            idx, res = local.get()
+            if isinstance(res, Exception):
+                raise res
+            results[idx] = res
+        results_queue.put(results)
+    _barrier()
+    for finalize in request.finalize_fns:
+        finalize()
+
+
+def _in_process_results_queue() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if cpu.is_active() and filesystem_async._results_queue is None:
-        filesystem_async._results_queue = mp.get_context("fork").Queue()
-
-
-def _model_sharded_state_dict(state) -> dict:
-    out = {}
-    for i, chunk in enumerate(state.model):
-        key = "model" if len(state.model) == 1 else f"model{i}"
-        out[key] = chunk.sharded_state_dict()
-    return out
-
-
-def _sharded_state_dict(state, *, is_loading: bool) -> dict:
-    sd = _model_sharded_state_dict(state)
-    sd["optimizer"] = state.optimizer.sharded_state_dict(
-        _model_sharded_state_dict(state), is_loading=is_loading
-    )
-    sd["scheduler"] = state.scheduler.state_dict()
-    sd["progress"] = {"step": state.step, "consumed_samples": state.consumed_samples}
-    return sd
+    if cpu.is_active() and not isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _barrier() -> None:
@@ -63,71 +90,205 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(state) -> Path:
-    """Write step_<N> under a temporary name, rename it, then point `latest` at it."""
-    _sync_writer()
+def _rank0(state) -> bool:
+    return state.info.rank == 0
+
+
+def _use_async(state) -> bool:
+    return (
+        bool(state.cfg.checkpoint.async_save) and torch.cuda.is_available() and not cpu.is_active()
+    )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(state, *, blocking: bool = False) -> Path:
+    """Checkpoint the current step. Collective. On GPU with async_save the write continues in the
+    background unless `blocking`; `poll`/`wait` publish it."""
+    wait(state)  # one save in flight at a time, published in order
     root = ckpt_root(state)
     final = root / f"step_{state.step}"
-    tmp = root / f".tmp_step_{state.step}"
-    if state.info.rank == 0:
+    if (root / "latest").is_file() and (root / "latest").read_text().strip() == final.name:
+        return final  # already published (e.g. resumed at this step)
+    tmp = root / f"{ckpt_files.TMP_PREFIX}{state.step}"
+    t0 = time.perf_counter()
+    if _rank0(state):
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
+    sd = resume.sharded_state_dict(state, is_loading=False)
+    _in_process_results_queue()
     with cpu.device_mode():
-        dist_checkpointing.save(_sharded_state_dict(state, is_loading=False), str(tmp))
-    _barrier()
-    if state.info.rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _publish_latest(root, final.name)
-        log.info("saved checkpoint %s", final)
-    _barrier()
+        request = dist_checkpointing.save(sd, str(tmp), async_sharded_save=True)
+    step = state.step
+    request.add_finalize_fn(lambda: _publish(state, tmp, final, sd, step, t0))
+    if not _use_async(state):
+        with cpu.device_mode():
+            _write_in_process(request)
+        return final
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    queue = state.extra.setdefault("ckpt_queue", AsyncCallsQueue())
+    queue.schedule_async_request(request)
+    state.extra["ckpt_pending"] = (step, final)
+    if blocking:
+        wait(state)
     return final
+
+
+def _publish(state, tmp: Path, final: Path, sd: dict, step: int, t0: float) -> None:
+    """Collective: verify, manifest, rename, point `latest` at it, apply `keep`."""
+    ckpt_files.verify_written(tmp, sd)
+    if _rank0(state):
+        (tmp / "config.yaml").write_text(_config_yaml(state))
+    ckpt_files.write_manifest(tmp, {"step": step, "layout": resume.layout()})
+    _barrier()
+    if _rank0(state):
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)  # an unpublished leftover of a crashed run
+        os.replace(tmp, final)
+        _publish_latest(final.parent, final.name)
+        _apply_keep(state, step)
+        log.info("saved checkpoint %s (%.1f s)", final, time.perf_counter() - t0)
+    _barrier()
+
+
+def _config_yaml(state) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(state.cfg)
 
 
 def _publish_latest(root: Path, name: str) -> None:
     tmp = root / ".latest.tmp"
-    tmp.write_text(name + "\n")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, root / "latest")
+    _fsync_dir(root)
+
+
+def _apply_keep(state, step: int) -> None:
+    """Keep the newest `checkpoint.keep` checkpoints up to `step` (0 = all); drop leftovers of
+    unfinished saves. Directories of later steps (an abandoned future after resume=PATH) stay."""
+    keep = state.cfg.checkpoint.keep
+    found = ckpt_files.scan(ckpt_root(state))
+    for d in found.incomplete:
+        if d.name != f"{ckpt_files.TMP_PREFIX}{step}":
+            shutil.rmtree(d, ignore_errors=True)
+    if keep > 0:
+        older = [d for s, d in found.complete if s <= step]
+        for d in older[:-keep]:
+            shutil.rmtree(d, ignore_errors=True)
+            log.info("removed checkpoint %s (checkpoint.keep=%d)", d, keep)
+
+
+def poll(state) -> None:
+    """Collective, at each step boundary: publish a background save that has finished."""
+    queue = state.extra.get("ckpt_queue")
+    if queue is not None and queue.get_num_unfinalized_calls():
+        queue.maybe_finalize_async_calls(blocking=False)
+        if not queue.get_num_unfinalized_calls():
+            state.extra["ckpt_pending"] = None
+
+
+def wait(state) -> None:
+    """Collective: finish and publish a save in flight (before exiting or starting another)."""
+    queue = state.extra.get("ckpt_queue")
+    if queue is not None and queue.get_num_unfinalized_calls():
+        queue.maybe_finalize_async_calls(blocking=True)
+    state.extra["ckpt_pending"] = None
 
 
 def resolve(state) -> Path | None:
-    """The checkpoint to resume from: checkpoint.resume = auto | never | PATH."""
+    """The checkpoint to resume from: checkpoint.resume = auto | never | PATH. Only `latest` is
+    trusted: unfinished saves and unpublished newer directories are reported and ignored."""
     how = state.cfg.checkpoint.resume
     if how == "never":
         return None
     if how != "auto":
         path = Path(how)
         if not path.is_dir():
-            raise FtcoreError(f"no checkpoint directory at {path}", field="checkpoint.resume")
+            raise FtcoreError(f"no checkpoint directory at {path}", field="checkpoint.resume",
+                              fix="a step_<N> directory, auto or never")  # fmt: skip
         return path
-    latest = ckpt_root(state) / "latest"
-    if not latest.exists():
+    root = ckpt_root(state)
+    found = ckpt_files.scan(root)
+    published = found.published
+    if _rank0(state):
+        for d in found.incomplete:
+            log.warning("ignoring incomplete checkpoint %s (a save that did not finish)", d)
+        pub_step = _step_of(published)
+        for s, d in found.complete:
+            if published is None or s > pub_step:
+                log.warning(
+                    "ignoring unpublished checkpoint %s (checkpoints/latest does not name it)", d
+                )
+    if published is None:
         return None
-    path = ckpt_root(state) / latest.read_text().strip()
-    if not path.is_dir():
+    if not published.is_dir():
         raise FtcoreError(
-            f"{latest} points at {path.name}, which does not exist",
+            f"{root / 'latest'} points at {published.name}, which does not exist",
             field="checkpoint.resume",
             fix="point checkpoints/latest at a complete step_<N> directory, or checkpoint.resume=never",
         )
-    return path
+    return published
+
+
+def _step_of(path: Path | None) -> int:
+    try:
+        return int(path.name.split("_")[-1]) if path is not None else -1
+    except ValueError:
+        return -1
+
+
+def load(state, path: Path) -> list[str]:
+    """Collective: check, load and restore `path` into the run; returns notes on what changed."""
+    ckpt_files.check_manifest(path, checksums=state.cfg.checkpoint.verify)
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(path))
+    except Exception as e:  # noqa: BLE001 - a corrupt common file must name itself
+        raise FtcoreError(f"checkpoint file {path / 'common.pt'} cannot be read ({e})",
+                          field="checkpoint.resume", fix="resume from an earlier step_<N>") from e  # fmt: skip
+    if "ftcore" not in common:
+        raise FtcoreError(
+            f"{path} is not an ftcore checkpoint (no 'ftcore' state)", field="checkpoint.resume"
+        )
+    resume.check_compatible(state, common["ftcore"], path)
+    optimizer_note = resume.optimizer_loadable(state.cfg, common["ftcore"])
+    try:
+        with cpu.device_mode():
+            sd = resume.sharded_state_dict(state, is_loading=True, optimizer=optimizer_note is None)
+            loaded = dist_checkpointing.load(sd, str(path))
+    except FtcoreError:
+        raise
+    except Exception as e:
+        raise FtcoreError(
+            f"checkpoint {path} could not be loaded at this layout: {type(e).__name__}: {str(e)[:500]}",
+            field="checkpoint.resume",
+            fix="resume at the layout it was saved with (see its manifest.json), or checkpoint.resume=never",
+        ) from e
+    return resume.restore(state, loaded, path, optimizer_note)
 
 
 def maybe_resume(state) -> None:
+    """Resume from `checkpoint.resume` (auto: checkpoints/latest) if there is something to resume."""
     path = resolve(state)
     if path is None:
         return
-    _sync_writer()
-    with cpu.device_mode():
-        loaded = dist_checkpointing.load(_sharded_state_dict(state, is_loading=True), str(path))
-    for i, chunk in enumerate(state.model):
-        chunk.load_state_dict(loaded["model" if len(state.model) == 1 else f"model{i}"])
-    with cpu.device_mode():
-        state.optimizer.load_state_dict(loaded["optimizer"])
-    state.scheduler.load_state_dict(loaded["scheduler"])
-    state.step = int(loaded["progress"]["step"])
-    state.consumed_samples = int(loaded["progress"]["consumed_samples"])
-    log.info("resumed from %s at step %d (tp=%d pp=%d)", path, state.step,
-             ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())  # fmt: skip
-    torch.manual_seed(state.cfg.run.seed + state.step)
+    t0 = time.perf_counter()
+    notes = load(state, path)
+    if _rank0(state):
+        lay = resume.layout()
+        log.info("resumed from %s at step %d (tp=%d pp=%d dp=%d, %.1f s)", path, state.step, lay["tp"],
+                 lay["pp"], lay["dp"], time.perf_counter() - t0)  # fmt: skip
+        for note in notes:
+            log.warning(note)

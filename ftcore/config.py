@@ -124,6 +124,8 @@ class CheckpointConfig:
     keep: int = 2
     resume: str = "auto"  # auto | never | PATH
     save_at_end: bool = True
+    async_save: bool = True  # GPU only: write in the background, publish when done (CPU: synchronous)
+    verify: bool = True  # checksums of every file: written at save, checked before a load
 
 
 @dataclass

@@ -30,9 +30,10 @@ def _handler(signum, frame):
 
 
 def install(cfg) -> None:
-    """Install the handlers (only if run.handle_signals); uninstall() restores the previous ones."""
+    """Install the handlers (only if run.handle_signals); uninstall() restores the previous ones.
+    With handle_signals=false nothing is touched: a signal does what it did before (usually kills)."""
     _received.clear()
-    if not cfg.run.handle_signals:
+    if not cfg.run.handle_signals or _previous:
         return
     for sig in SIGNALS:
         _previous[sig] = signal.signal(sig, _handler)
@@ -58,7 +59,19 @@ def stop_reason(cfg, run_dir: Path, start_time: float) -> str | None:
     t = torch.tensor(flags)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    for flag, reason in zip(t.tolist(), ("signal " + ",".join(_received), "stop file", "run.max_time")):
+    signal_reason = "signal " + ",".join(_received) if _received else "a signal to another rank"
+    for flag, reason in zip(
+        t.tolist(), (signal_reason, f"stop file {stop_file(cfg, run_dir)}", "run.max_time")
+    ):
         if flag:
             return reason
     return None
+
+
+def consume(cfg, run_dir: Path, rank: int) -> None:
+    """After the stop checkpoint is saved: remove the stop file (rank 0), so that the resumed run
+    does not stop again at its first step. A launcher re-creates it for its next stop request."""
+    path = stop_file(cfg, run_dir)
+    if rank == 0 and path.exists():
+        path.unlink(missing_ok=True)
+        log.info("removed the stop file %s", path)

@@ -1,0 +1,189 @@
+"""The files of a checkpoint directory: verify before publish, manifest of checksums, scan.
+
+- `verify_written`: after megatron wrote a checkpoint (still under its temporary name), check that
+  every tensor is whole (the chunks in torch.distributed.checkpoint's `.metadata` cover it), that
+  every tensor key this rank holds was written (a save plan that drops shards fails here, not at
+  the next resume), and that every storage file exists and is long enough.
+- `write_manifest` / `check_manifest`: `manifest.json` lists every file with its size and CRC32,
+  each rank hashing a share of the files. A directory without it is incomplete; a file whose size
+  or checksum differs is corrupt and is named in an FtcoreError.
+- `scan`: which directories under checkpoints/ are published, unpublished or incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+from ftcore.errors import FtcoreError
+
+MANIFEST = "manifest.json"
+TMP_PREFIX = ".tmp_step_"
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather(obj) -> list:
+    rank, world = _rank_world()
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _raise_first(errors: list, path: Path, fix: str) -> None:
+    """Collective: every rank raises the same FtcoreError if any rank found a problem."""
+    found = [e for errs in _gather(errors) for e in errs]
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise FtcoreError(found[0] + more, field="checkpoint", fix=fix)
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(path: Path) -> list[str]:
+    return sorted(
+        str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MANIFEST
+    )
+
+
+def verify_written(path: Path, sharded_sd: dict) -> None:
+    """Collective. Raises (on every rank) if the checkpoint megatron just wrote is not whole."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    errors = []
+    try:
+        md = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - reported below, collectively
+        md, errors = None, [f"{path}/.metadata unreadable after save: {e}"]
+    if md is not None:
+        keys = {v.key for v in nested_values(sharded_sd) if isinstance(v, ShardedTensor)}
+        missing = sorted(keys - set(md.state_dict_metadata))
+        if missing:
+            errors.append(f"save of {path} dropped tensors {missing[:3]}")
+        rank, world = _rank_world()
+        if rank == 0:
+            for key, meta in md.state_dict_metadata.items():
+                if isinstance(meta, TensorStorageMetadata):
+                    have = sum(math.prod(c.sizes) for c in meta.chunks)
+                    if have != math.prod(meta.size):
+                        errors.append(
+                            f"save of {path}: tensor {key} has {have} of {math.prod(meta.size)} elements"
+                        )
+            ends: dict[str, int] = {}
+            for info in md.storage_data.values():
+                ends[info.relative_path] = max(
+                    ends.get(info.relative_path, 0), info.offset + info.length
+                )
+            for rel, end in sorted(ends.items()):
+                f = path / rel
+                if not f.is_file() or f.stat().st_size < end:
+                    errors.append(f"save of {path}: {rel} is missing or shorter than {end} bytes")
+    _raise_first(errors, path, "check the filesystem (space, quota) and save again")
+
+
+def write_manifest(path: Path, extra: dict) -> None:
+    """Collective: each rank hashes its share of the files; rank 0 writes manifest.json last."""
+    rank, world = _rank_world()
+    files = _files(path) if rank == 0 else None
+    if world > 1:
+        box = [files]
+        dist.broadcast_object_list(box, src=0)
+        files = box[0]
+    mine = {rel: [(path / rel).stat().st_size, _crc32(path / rel)] for rel in files[rank::world]}
+    merged: dict = {}
+    for part in _gather(mine):
+        merged.update(part)
+    if rank == 0:
+        body = dict(extra, files={k: merged[k] for k in sorted(merged)})
+        tmp = path / (MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(body, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path / MANIFEST)
+
+
+def read_manifest(path: Path) -> dict:
+    m = path / MANIFEST
+    if not m.is_file():
+        raise FtcoreError(
+            f"{m} is missing: {path} is not a complete ftcore checkpoint",
+            field="checkpoint.resume",
+            fix="point checkpoints/latest (or checkpoint.resume) at a complete step_<N> directory",
+        )
+    try:
+        return json.loads(m.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FtcoreError(f"{m} is corrupt ({e})", field="checkpoint.resume",
+                          fix="resume from an earlier step_<N> (checkpoint.resume=PATH)") from e  # fmt: skip
+
+
+def check_manifest(path: Path, checksums: bool) -> None:
+    """Collective: every file of the manifest present, same size and (optionally) same CRC32."""
+    rank, world = _rank_world()
+    errors = []
+    try:
+        files = sorted(read_manifest(path)["files"].items())
+    except FtcoreError as e:
+        files, errors = [], [str(e).split(" -- ")[0]]
+    for rel, (size, crc) in files[rank::world]:
+        f = path / rel
+        if not f.is_file():
+            errors.append(f"checkpoint file {f} is missing")
+        elif f.stat().st_size != size:
+            errors.append(
+                f"checkpoint file {f} is corrupt: {f.stat().st_size} bytes, {size} written"
+            )
+        elif checksums and _crc32(f) != crc:
+            errors.append(
+                f"checkpoint file {f} is corrupt: its checksum differs from the one written"
+            )
+    _raise_first(errors, path, "resume from an earlier step_<N> (checkpoint.resume=PATH), or "
+                 "checkpoint.resume=never to start over")  # fmt: skip
+
+
+@dataclass
+class Scan:
+    published: Path | None  # what checkpoints/latest names
+    complete: list[tuple[int, Path]]  # step_<N> directories with a manifest, by step
+    incomplete: list[
+        Path
+    ]  # temporary directories of saves that did not finish, step dirs without manifest
+
+
+def scan(root: Path) -> Scan:
+    latest = root / "latest"
+    published = root / latest.read_text().strip() if latest.is_file() else None
+    complete, incomplete = [], []
+    if root.is_dir():
+        for d in sorted(root.iterdir()):
+            m = _STEP.match(d.name)
+            if d.name.startswith(TMP_PREFIX) or (m and not (d / MANIFEST).is_file()):
+                incomplete.append(d)
+            elif m and d.is_dir():
+                complete.append((int(m.group(1)), d))
+    complete.sort()
+    return Scan(published, complete, incomplete)

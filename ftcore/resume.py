@@ -1,0 +1,297 @@
+"""What a checkpoint holds, and how a run is put back exactly where it was.
+
+A checkpoint is one megatron `dist_checkpointing` state dict:
+- `model` (or `model0..` per virtual stage): sharded tensors under layout-independent keys, so
+  they reshard across TP/PP on load. With PEFT only the trainable (adapter) tensors are saved: the
+  frozen base comes back from `model.hf_path`/`init_path` at setup;
+- `optimizer`: megatron's sharded optimizer state (model-space tensors, so it reshards too);
+- common (rank 0 writes it): scheduler, progress (step, consumed samples, skipped bad steps), the
+  layout, the config, the wandb run id, the data position of every DP rank and the RNG states of
+  every rank (gathered, so every rank holds the same lists).
+RNG states only make sense on the same layout; the data position is global (DESIGN.md), so it
+carries over to any DP size when all DP ranks agree on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from omegaconf import OmegaConf
+
+from ftcore.errors import FtcoreError
+from ftcore.models.sharding import unwrap
+
+log = logging.getLogger("ftcore")
+
+# Keys whose change makes the saved weights meaningless for this run (paths may move).
+_MODEL_KEYS_IGNORED = {"hf_path", "tokenizer", "init_path", "name"}
+
+
+def layout() -> dict:
+    return {
+        "world": dist.get_world_size() if dist.is_initialized() else 1,
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "vp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+        "cp": ps.get_context_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+    }
+
+
+def adapter_only(cfg) -> bool:
+    return cfg.peft.name != "none"
+
+
+def _chunk_key(state, i: int) -> str:
+    return "model" if len(state.model) == 1 else f"model{i}"
+
+
+def model_sharded_state_dict(state) -> dict:
+    """Every chunk's sharded state dict; with PEFT, frozen base parameters are left out."""
+    out = {}
+    for i, chunk in enumerate(state.model):
+        sd = unwrap(chunk).sharded_state_dict()  # the bare GPTModel: keys independent of wrappers
+        if adapter_only(state.cfg):
+            frozen = _param_names(chunk, trainable=False)
+            sd = {k: v for k, v in sd.items() if k not in frozen}
+        out[_chunk_key(state, i)] = sd
+    return out
+
+
+def _param_names(chunk, *, trainable: bool) -> set[str]:
+    return {n for n, p in unwrap(chunk).named_parameters() if p.requires_grad == trainable}
+
+
+def optim_format(cfg) -> str:
+    """How the optimizer state is laid out: megatron's regular optimizer keeps it in model space
+    (reshards like the weights); the distributed optimizer's fully parallel `dp_reshardable`
+    format follows its DP buffers (reshards across DP only)."""
+    return "dp_reshardable" if cfg.parallel.distributed_optimizer else "model_space"
+
+
+def _optimizer_metadata(cfg) -> dict:
+    return {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
+
+
+def optimizer_loadable(cfg, common: dict) -> str | None:
+    """None if the saved optimizer state loads into this run, else why not (said as a warning:
+    weights, schedule and data position still load; Adam moments restart from zero)."""
+    saved, now = common["optim_format"], optim_format(cfg)
+    if saved != now:
+        return (f"optimizer state not restored: saved in the {saved} format, this run uses {now} "
+                "(parallel.distributed_optimizer changed); Adam moments restart from zero")  # fmt: skip
+    lay_saved, lay_now = common["layout"], layout()
+    model_layout = ("tp", "pp", "vp")
+    if now == "dp_reshardable" and any(lay_saved[k] != lay_now[k] for k in model_layout):
+        return (f"optimizer state not restored: the distributed optimizer's state reshards across DP only "
+                f"(saved at {_fmt(lay_saved)}, now {_fmt(lay_now)}); Adam moments restart from zero. "
+                "Resume at the saved tp/pp/vp to keep them")  # fmt: skip
+    return None
+
+
+def _all_gather(obj) -> list:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def rng_state() -> dict:
+    states = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def set_rng_state(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def _init_distributed_optimizer_state(optimizer) -> None:
+    """A fresh distributed optimizer has no Adam state yet, and megatron's loading path reads it
+    (with its `step`) before filling it: create the zero state first, as a first step would."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if (
+            isinstance(o, DistributedOptimizer)
+            and o.init_state_fn is not None
+            and not o.optimizer.state
+        ):
+            o.init_state_fn(o.optimizer, o.config)
+            for st in o.optimizer.state.values():
+                st.setdefault("step", torch.tensor(0.0))
+
+
+def sharded_state_dict(state, *, is_loading: bool, optimizer: bool = True) -> dict:
+    """The whole checkpoint as a (sharded) state dict. Collective when saving (gathers)."""
+    cfg = state.cfg
+    sd = model_sharded_state_dict(state)
+    if optimizer:
+        if is_loading:
+            _init_distributed_optimizer_state(state.optimizer)
+        sd["optimizer"] = state.optimizer.sharded_state_dict(
+            model_sharded_state_dict(state),
+            is_loading=is_loading,
+            metadata=_optimizer_metadata(cfg),
+        )
+    sd["scheduler"] = state.scheduler.state_dict()
+    if is_loading:
+        return sd
+    loader = (
+        state.loader.state_dict()
+        if state.loader is not None and hasattr(state.loader, "state_dict")
+        else None
+    )
+    gathered = _all_gather(
+        {"rng": rng_state(), "loader": loader, "dp_rank": ps.get_data_parallel_rank()}
+    )
+    wandb_file = state.run_dir / "wandb_id"
+    sd["ftcore"] = {
+        "step": state.step,
+        "consumed_samples": state.consumed_samples,
+        "bad_steps": state.bad_steps,
+        "layout": layout(),
+        "optim_format": optim_format(cfg),
+        "adapter_only": adapter_only(cfg),
+        "config": OmegaConf.to_yaml(cfg),
+        "wandb_id": wandb_file.read_text().strip() if wandb_file.exists() else None,
+        "rng": [g["rng"] for g in gathered],
+        "loader": _loader_states(gathered),
+    }
+    return sd
+
+
+def _loader_states(gathered: list[dict]) -> list | None:
+    """One data position per DP rank (index = DP rank); None when the run has no loader state."""
+    by_dp: dict[int, object] = {}
+    for g in gathered:
+        by_dp.setdefault(g["dp_rank"], g["loader"])
+    if all(v is None for v in by_dp.values()):
+        return None
+    return [by_dp[i] for i in sorted(by_dp)]
+
+
+def check_compatible(state, common: dict, path) -> None:
+    """Refuse a checkpoint of another model or PEFT mode before megatron fails obscurely."""
+    saved = OmegaConf.create(common["config"])
+    now = state.cfg
+    diffs = [
+        f"model.{k}: {saved.model.get(k)} -> {now.model.get(k)}"
+        for k in now.model
+        if k not in _MODEL_KEYS_IGNORED and saved.model.get(k) != now.model.get(k)
+    ]
+    if diffs:
+        raise FtcoreError(
+            f"checkpoint {path} was saved for another model ({'; '.join(diffs)})",
+            field="checkpoint.resume",
+            fix="resume with the model it was saved with, or checkpoint.resume=never / another run.dir",
+        )
+    if bool(common["adapter_only"]) != adapter_only(now):
+        kind = "an adapter-only (PEFT)" if common["adapter_only"] else "a full"
+        raise FtcoreError(
+            f"checkpoint {path} is {kind} checkpoint but this run has peft.name={now.peft.name}",
+            field="peft.name",
+            fix="resume with the peft settings it was saved with",
+        )
+    changed = _changed_keys(OmegaConf.to_container(saved), OmegaConf.to_container(now))
+    changed = [
+        k for k in changed if not k.startswith(("run.", "launcher.", "parallel.", "checkpoint."))
+    ]
+    if changed and state.info.rank == 0:
+        log.warning("config differs from the checkpoint's in: %s", ", ".join(changed))
+
+
+def _changed_keys(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            out += _changed_keys(a.get(k), b.get(k), f"{prefix}{k}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def restore(state, loaded: dict, path, optimizer_note: str | None = None) -> list[str]:
+    """Put a loaded checkpoint into the run; returns what could not be carried over (warnings)."""
+    from ftcore.runtime import cpu
+
+    common = loaded["ftcore"]
+    notes = [optimizer_note] if optimizer_note else []
+    for i, chunk in enumerate(state.model):
+        part = loaded[_chunk_key(state, i)]
+        if adapter_only(state.cfg):
+            missing, unexpected = unwrap(chunk).load_state_dict(part, strict=False)
+            trainable = _param_names(chunk, trainable=True)
+            lost = [k for k in missing if k in trainable]
+            if lost or unexpected:
+                raise FtcoreError(f"adapter checkpoint {path} does not match this model: missing {lost[:3]}, "
+                                  f"unexpected {list(unexpected)[:3]}", field="peft")  # fmt: skip
+        else:
+            unwrap(chunk).load_state_dict(part)
+    with cpu.device_mode(), torch.no_grad():  # the distributed optimizer copies into fp32 params
+        if optimizer_note is None:
+            state.optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            state.optimizer.reload_model_params()  # fp32 main copies from the loaded weights
+    state.scheduler.load_state_dict(loaded["scheduler"])
+    state.step = int(common["step"])
+    state.consumed_samples = int(common["consumed_samples"])
+    state.bad_steps = int(common.get("bad_steps", 0))
+    saved, now = common["layout"], layout()
+    if saved == now:
+        set_rng_state(common["rng"][dist.get_rank() if dist.is_initialized() else 0])
+    else:
+        notes.append(f"RNG states not restored (saved at {_fmt(saved)}, now {_fmt(now)}): dropout masks "
+                     "will differ from an uninterrupted run; weights, optimizer and data position are resharded")  # fmt: skip
+        torch.manual_seed(state.cfg.run.seed + state.step)
+    _restore_loader(state, common.get("loader"), saved, path)
+    _restore_wandb_id(state, common.get("wandb_id"))
+    return notes
+
+
+def _restore_loader(state, states: list | None, saved: dict, path) -> None:
+    if state.loader is None or not hasattr(state.loader, "load_state_dict"):
+        return
+    if states is None:
+        raise FtcoreError(f"checkpoint {path} holds no data position", field="checkpoint.resume",
+                          fix="resume with checkpoint.resume=never to start over")  # fmt: skip
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    if len(states) == dp:
+        state.loader.load_state_dict(states[dp_rank])
+    elif all(s == states[0] for s in states):
+        state.loader.load_state_dict(states[0])  # a global position: valid at any DP size
+    else:
+        raise FtcoreError(
+            f"checkpoint {path} holds per-rank data positions for dp={saved['dp']} that differ; "
+            f"they cannot be resharded to dp={dp}",
+            field="parallel",
+            fix=f"resume at dp={saved['dp']} (tp·pp·cp = world / {saved['dp']})",
+        )
+
+
+def _restore_wandb_id(state, run_id: str | None) -> None:
+    """A resumed run continues the same wandb run (metrics.py reads <run.dir>/wandb_id)."""
+    path = state.run_dir / "wandb_id"
+    if run_id and state.info.rank == 0 and not path.exists():
+        path.write_text(run_id)
+
+
+def _fmt(lay: dict) -> str:
+    return " ".join(f"{k}={lay[k]}" for k in ("world", "tp", "pp", "vp", "cp", "dp"))
