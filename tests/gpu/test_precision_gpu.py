@@ -179,19 +179,20 @@ def test_recipe_trains_and_tracks_bf16(runs, name):
     assert abs(tail(losses) - tail(ref)) <= TOLERANCE[name] * tail(ref), (losses, ref)
 
 
-def _tiny_lora() -> bool:
-    return (conf_dir() / "exp" / "tiny_lora.yaml").exists()
+def _lora_run() -> tuple[str, list[str]]:
+    """exp/tiny_lora when present, else the tiny full run with LoRA adapters."""
+    if (conf_dir() / "exp" / "tiny_lora.yaml").exists():
+        return "tiny_lora", []
+    return "tiny_full", ["peft=lora"]
 
 
 def test_te_lora_matches_local_lora_in_bf16(runs):
     """TE LoRA layers (ftcore.peft.te_layers) vs the non-TE LoRA layers, both BF16."""
-    if not _tiny_lora():
-        pytest.skip("exp/tiny_lora is not there yet")
-    pytest.importorskip("ftcore.peft.te_layers")
-    if not precision.use_te(gpu_cfg("bf16", "tiny_lora")):
+    exp, extra = _lora_run()
+    if not precision.use_te(gpu_cfg("bf16", exp, *extra)):
         pytest.skip("Transformer Engine is not installed")
-    te_run = runs("precision=bf16", exp="tiny_lora")
-    local = runs("precision=bf16", "precision.te_layers=false", exp="tiny_lora")
+    te_run = runs("precision=bf16", *extra, exp=exp)
+    local = runs("precision=bf16", "precision.te_layers=false", *extra, exp=exp)
     for a, b in zip(te_run, local):
         assert abs(a - b) <= 0.02 * abs(b), (te_run, local)
 
@@ -199,12 +200,10 @@ def test_te_lora_matches_local_lora_in_bf16(runs):
 @pytest.mark.parametrize("name", ["fp8_cs", "nvfp4"])
 def test_lora_on_a_quantised_base(runs, name):
     """Base GEMMs in the recipe, adapters in BF16: trains, and stays near the BF16 LoRA run."""
-    if not _tiny_lora():
-        pytest.skip("exp/tiny_lora is not there yet")
-    pytest.importorskip("ftcore.peft.te_layers")
     skip_unless_runs(name)
-    losses = runs(f"precision={name}", exp="tiny_lora")
-    ref = runs("precision=bf16", exp="tiny_lora")
+    exp, extra = _lora_run()
+    losses = runs(f"precision={name}", *extra, exp=exp)
+    ref = runs("precision=bf16", *extra, exp=exp)
     assert all(math.isfinite(v) for v in losses)
     assert tail(losses) < sum(losses[:5]) / 5, losses
     assert abs(tail(losses) - tail(ref)) <= TOLERANCE[name] * tail(ref), (losses, ref)
