@@ -13,6 +13,9 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from ftcore.data.packing import cu_seqlens_from_segments
 from ftcore.data.pipeline import MicroBatch, attention_mask_from_segments
 from ftcore.models.sharding import unwrap
 from ftcore.runtime import cpu
@@ -42,13 +45,31 @@ def loss_func(mb: MicroBatch, vocab_size: int, output: torch.Tensor):
     return loss_sum, num_tokens, {"lm": torch.stack([loss_sum.detach(), mask.sum()])}
 
 
+def packed_seq_params(mb: MicroBatch, device) -> PackedSeqParams:
+    """THD layout for Transformer Engine's fused attention: documents of the packed row as
+    cu_seqlens, so attention and RoPE restart per document without an s x s mask."""
+    cu, longest = cu_seqlens_from_segments(mb.segment_ids)
+    cu = cu.to(device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
+
+
 def forward_step(data_iterator, model):
-    """One micro-batch through this stage's chunk; the loss only on the last stage."""
+    """One micro-batch through this stage's chunk; the loss only on the last stage.
+
+    On CPU (local attention) packed documents are kept apart by a block-diagonal causal mask; on
+    GPU with Transformer Engine, packed rows go in as THD (cu_seqlens) and plain rows as causal."""
     mb: MicroBatch = next(data_iterator)
     device = next(model.parameters()).device
-    mask = attention_mask_from_segments(mb.segment_ids).to(device)
+    kwargs = {}
+    if not getattr(unwrap(model), "uses_te", False):
+        mask = attention_mask_from_segments(mb.segment_ids).to(device)
+    else:
+        mask = None
+        if int(mb.segment_ids.max()) > 1:
+            kwargs["packed_seq_params"] = packed_seq_params(mb, device)
     with cpu.mode_suspended():
-        output = model(mb.tokens.to(device), mb.position_ids.to(device), mask)
+        output = model(mb.tokens.to(device), mb.position_ids.to(device), mask, **kwargs)
     return output, partial(loss_func, mb, unwrap(model).vocab_size_unpadded)
 
 

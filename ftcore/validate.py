@@ -74,6 +74,12 @@ def check_divisibility(cfg: DictConfig) -> None:
             f"seq_len={cfg.data.seq_len} must divide by tp (with sp) and by 2*cp",
             field="data.seq_len",
         )
+    if cfg.data.packing and cfg.cluster.device == "cuda" and t.micro_batch_size != 1:
+        raise FtcoreError(
+            "packed sequences go to Transformer Engine as one THD row per micro-batch",
+            field="train.micro_batch_size",
+            fix="set train.micro_batch_size=1 with data.packing=true on GPU (pack longer rows instead)",
+        )
     if t.micro_batch_size < 1 or t.global_batch_size % t.micro_batch_size:
         raise FtcoreError(
             f"global_batch_size={t.global_batch_size} is not divisible by micro_batch_size={t.micro_batch_size}",

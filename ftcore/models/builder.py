@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 
 from ftcore.models.init import init_weights
 from ftcore.models.llama import layer_spec, padded_vocab_size, transformer_config
+from ftcore import precision
 from ftcore.runtime import cpu
 
 
@@ -40,6 +41,7 @@ def build_model(cfg: DictConfig, *, vocab_size: int | None = None) -> list[GPTMo
                 vp_stage=vp_stage if cfg.parallel.vp > 1 else None,
             )
             chunk.vocab_size_unpadded = vocab
+            chunk.uses_te = not on_cpu and precision.use_te(cfg)  # step.py: THD packing, no mask
             if not on_cpu:
                 chunk.cuda(torch.cuda.current_device())
             chunks.append(chunk)
@@ -70,6 +72,7 @@ def wrap_ddp(cfg: DictConfig, chunks: list[GPTModel]):
         use_distributed_optimizer=cfg.parallel.distributed_optimizer,
         check_for_nan_in_grad=False,
         bucket_size=None,
+        **precision.ddp_config_kwargs(cfg),
     )
     wrapped = []
     with cpu.device_mode():
