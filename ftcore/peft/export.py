@@ -8,7 +8,6 @@ Merging happens on full tensors in fp32 (W + scale·B·A), so it is the same at 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -21,7 +20,7 @@ from megatron.core import parallel_state as ps
 
 from ftcore.errors import FtcoreError
 from ftcore.models.sharding import iter_params, join_shards, shard_info, take_shard
-from ftcore.peft.layers import SLICES, scaling
+from ftcore.peft.layers import COLUMN, SLICES, Geometry, fuse_column, scaling
 
 log = logging.getLogger("ftcore")
 
@@ -40,9 +39,10 @@ def hf_key(layer: int, hf_module: str, ab: str) -> str:
     )
 
 
-def gather_full(chunks) -> dict[str, torch.Tensor] | None:
-    """Full adapter tensors by global name, on world rank 0 (None elsewhere). Collective: every
-    TP shard is gathered (not only TP rank 0's), and every pipeline stage contributes its layers."""
+def gather_full(chunks, *, everywhere: bool = False) -> dict[str, torch.Tensor] | None:
+    """Full adapter tensors by global name, on world rank 0 (None elsewhere) or, with
+    `everywhere`, on every rank. Collective: every TP shard is gathered (not only TP rank 0's),
+    and every pipeline stage contributes its layers."""
     tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
     lead = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     mine = {}
@@ -50,19 +50,22 @@ def gather_full(chunks) -> dict[str, torch.Tensor] | None:
         if ".lora_" not in name:
             continue
         data = p.detach().float().contiguous()
-        shards = [torch.empty_like(data) for _ in range(tp)]
+        shards = [data]
         if tp > 1:
+            shards = [torch.empty_like(data) for _ in range(tp)]
             dist.all_gather(shards, data, group=group)
-        else:
-            shards = [data]
         if lead:
             mine[name] = join_shards(shards, shard_info(name, p, tp)).cpu()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, parts, dst=0)
-    if dist.get_rank() != 0:
-        return None
+    if everywhere:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+    else:
+        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        if dist.get_rank() != 0:
+            return None
     out = {}
     for part in parts:
         out.update(part)
@@ -274,5 +277,116 @@ def adapter_matches(adapter_dir, hf_config: dict) -> None:
                               fix="use the adapter with the base model it was trained on")  # fmt: skip
 
 
-def peft_to_json(adapter_dir) -> str:
-    return json.dumps(json.loads((Path(adapter_dir) / CONFIG_FILE).read_text()), indent=2)
+# ---------------------------------------------------------------- merge in megatron layout
+
+
+def geometry(model_cfg) -> Geometry:
+    m = model_cfg
+    return Geometry(m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups,
+                    m.kv_channels or m.hidden_size // m.num_attention_heads)  # fmt: skip
+
+
+def megatron_deltas(
+    full: dict[str, torch.Tensor], geo: Geometry, scale: float
+) -> dict[str, torch.Tensor]:
+    """{global base weight name: scale·B·A in megatron's fused layout (fp32)} from full adapters."""
+    groups: dict[tuple[int, str, str], dict[str, dict[str, torch.Tensor]]] = {}
+    for name, t in full.items():
+        m = _OURS.match(name)
+        layer, module, ab, key = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        parent = "self_attention" if module in ("linear_qkv", "linear_proj") else "mlp"
+        groups.setdefault((layer, parent, module), {"A": {}, "B": {}})[ab][key] = t.float()
+    out = {}
+    for (layer, parent, module), ab in groups.items():
+        per = {s: b @ ab["A"].get(s, ab["A"].get(module)) for s, b in ab["B"].items()}
+        if module in COLUMN:
+            delta = fuse_column(module, {s: d.t() for s, d in per.items()}, geo, 1).t()
+        else:
+            (delta,) = per.values()
+        out[f"decoder.layers.{layer}.{parent}.{module}.weight"] = scale * delta
+    return out
+
+
+def transform_for(full: dict[str, torch.Tensor], geo: Geometry, scale: float):
+    """A `transform(global name, full tensor)` for ftcore.hf.export: W + scale·B·A in fp32."""
+    deltas = megatron_deltas(full, geo, scale)
+
+    def transform(name: str, w: torch.Tensor) -> torch.Tensor:
+        d = deltas.get(name)
+        return w if d is None else (w.float() + d).to(w.dtype)
+
+    return transform
+
+
+def live_merge_transform(state):
+    """The merge transform of a live LoRA run (collective: gathers the adapters on every rank)."""
+    from ftcore.peft.lora import settings
+
+    full = gather_full(state.model, everywhere=True)
+    return transform_for(full, geometry(state.cfg.model), settings(state.cfg).scale)
+
+
+def adapter_names(run_cfg) -> list[str]:
+    """Global names of every adapter tensor of a run (from its config)."""
+    from ftcore.peft.lora import PARENT, plan_targets, settings
+
+    names = []
+    for i in range(run_cfg.model.num_layers):
+        for module, slices in plan_targets(settings(run_cfg).targets).items():
+            pre = f"decoder.layers.{i}.{PARENT[module]}.{module}."
+            names += [pre + f"lora_A.{k}" for k in dict.fromkeys(slices.values())]
+            names += [pre + f"lora_B.{s}" for s in slices]
+    return names
+
+
+def read_checkpoint_adapters(step_dir, run_cfg) -> dict[str, torch.Tensor]:
+    """Full adapter tensors out of a checkpoint of any layout (one process)."""
+    from ftcore.hf.ckpt_reader import CheckpointReader
+
+    reader = CheckpointReader(step_dir)
+    names = adapter_names(run_cfg)
+    missing = [n for n in names if not reader.has(n)]
+    if missing:
+        raise FtcoreError(f"{step_dir} lacks adapter tensor {missing[0]} (and {len(missing) - 1} more)",
+                          field="export.checkpoint", fix="export a checkpoint of a LoRA run")  # fmt: skip
+    return {n: reader.read(n).float() for n in names}
+
+
+def merge_transform(cfg, run_cfg, step_dir):
+    """ftcore.export's hook (export.merge=true): fold the checkpoint's adapters into the base."""
+    from ftcore.peft.lora import settings
+    from ftcore.precision import check_merge
+
+    if run_cfg.peft.name == "none":
+        raise FtcoreError("the checkpoint has no adapters to merge (a full fine-tuning run)",
+                          field="export.merge", fix="drop export.merge=true")  # fmt: skip
+    check_merge(run_cfg)
+    full = read_checkpoint_adapters(step_dir, run_cfg)
+    return transform_for(full, geometry(run_cfg.model), settings(run_cfg).scale)
+
+
+def export_adapter_checkpoint(step_dir, run_cfg, out, *, merge: bool) -> Path:
+    """An adapter-only (LoRA) checkpoint -> `hf_adapter/` (PEFT), or with `merge` a merged HF model
+    streamed from the run's base directory (model.hf_path or model.init_path)."""
+    from ftcore.peft.lora import settings
+
+    s = settings(run_cfg)
+    sd, targets = to_peft(read_checkpoint_adapters(step_dir, run_cfg))
+    base = run_cfg.model.hf_path or run_cfg.model.init_path
+    if not merge:
+        save_adapter(Path(out), sd, s, targets, base)
+        return Path(out)
+    from ftcore.hf.io import weights_source
+    from ftcore.precision import check_merge
+
+    check_merge(run_cfg)
+    if not base:
+        raise FtcoreError("merging needs the base weights, but the run had no model.hf_path or "
+                          "model.init_path", field="export.merge", fix="export the adapter alone")  # fmt: skip
+    base_dir, _ = weights_source(run_cfg)
+    tmp = Path(out).with_name(Path(out).name + ".adapter")
+    save_adapter(tmp, sd, s, targets, base)
+    try:
+        return write_merged_model(base_dir, tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -16,7 +16,7 @@ RTOL = 1e-5
 ALL7 = "peft.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
 TARGETS = {"all7": [ALL7], "linear_qkv": ["peft.target_modules=[linear_qkv]"]}
 # B starts at zero; a larger lr makes the adapters move far enough in 5 steps for the A grads to matter.
-LORA = ["peft=lora", "peft.r=4", "peft.lora_alpha=8", "optim.lr=1e-2"]
+LORA = ["peft=lora", "peft.r=4", "peft.lora_alpha=8", "optim.lr=3e-3", "sched.warmup_steps=0"]
 LAYOUTS = {
     "tp2": ["parallel.tp=2"],
     "tp2_sp": ["parallel.tp=2", "parallel.sp=true"],

@@ -1,0 +1,238 @@
+"""`python -m ftcore.generate +exp=NAME [model.hf_path=DIR] [peft.adapter_path=DIR]
+generate.prompt="..." [generate.max_new_tokens=N] [generate.temperature=T]`: the chat template is
+applied to the prompt, then tokens are decoded greedily (temperature 0) or sampled, under any
+layout. Also exact-match accuracy on instruction data with checkable answers (`eval.accuracy`).
+
+Decoding runs megatron's own forward-only schedule on the whole (growing) batch of sequences each
+step, so TP/PP/SP work unchanged; without a KV cache that costs O(length^2), fine for the short
+answers this is for. The next tokens are chosen on the last pipeline stage (full-vocab logits,
+padded vocab masked) and shared with every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from omegaconf import DictConfig
+
+from ftcore.cli import run
+from ftcore.errors import FtcoreError
+
+log = logging.getLogger("ftcore")
+STOP_TOKENS = ("<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "</s>")
+
+
+def stop_ids(tokenizer) -> set[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    vocab = tokenizer.get_vocab()
+    return ids | {vocab[t] for t in STOP_TOKENS if t in vocab}
+
+
+def _next_token_step(positions: torch.Tensor, vocab: int, data_iterator, model):
+    """Forward one batch; on the last stage, full-vocab logits at each row's current position."""
+    from ftcore.data.pipeline import attention_mask_from_segments
+    from ftcore.runtime import cpu
+
+    tokens = next(data_iterator)
+    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    mask = attention_mask_from_segments(torch.ones_like(tokens, dtype=torch.int32))
+    device = next(model.parameters()).device
+    with cpu.mode_suspended():
+        out = model(tokens.to(device), pos.to(device), mask.to(device))
+
+    def pick(output):
+        rows = output[torch.arange(output.shape[0]), positions.to(output.device)]  # [b, v/tp]
+        full = tensor_parallel.gather_from_tensor_model_parallel_region(rows.float())[:, :vocab]
+        return torch.zeros(()), torch.tensor(1, dtype=torch.int), {"logits": full.detach()}
+
+    return out, pick
+
+
+def _choose(
+    logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator
+) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1).cpu(), 1, generator=gen).squeeze(-1)
+
+
+def _share(ids: torch.Tensor, chooser: bool) -> torch.Tensor:
+    """The chooser rank's tokens on every rank (others add zeros)."""
+    t = ids.to(torch.int64).cpu() if chooser else torch.zeros_like(ids, dtype=torch.int64).cpu()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+@torch.no_grad()
+def generate_ids(state, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int = 0, stop: set[int] = frozenset(), pad_id: int = 0, seed: int = 0) -> list[list[int]]:  # fmt: skip
+    """New token ids for each prompt (stop token excluded). Every rank calls this with the same
+    prompts and gets the same answers."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from ftcore.runtime import cpu
+    from ftcore.step import microbatch_iterators
+
+    cfg = state.cfg
+    vocab = cfg.model.vocab_size
+    multiple = cfg.parallel.tp if cfg.parallel.sp else 1
+    chooser = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+               and ps.get_data_parallel_rank() == 0)  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([len(p) for p in prompts])
+    total = int(lengths.max()) + max_new_tokens
+    if total > cfg.model.max_position_embeddings:
+        raise FtcoreError(f"prompt + max_new_tokens = {total} exceeds the model's {cfg.model.max_position_embeddings} "
+                          "positions", field="generate.max_new_tokens")  # fmt: skip
+    tokens = torch.full((len(prompts), total + multiple), pad_id, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p)
+    done = torch.zeros(len(prompts), dtype=torch.bool)
+    out: list[list[int]] = [[] for _ in prompts]
+    for chunk in state.model:
+        chunk.eval()
+    for t in range(max_new_tokens):
+        cur = lengths + t  # positions to fill; the logits come from the one before
+        width = -(-int(cur.max()) // multiple) * multiple
+        step = partial(_next_token_step, cur - 1, vocab)
+        with cpu.device_mode():
+            res = get_forward_backward_func()(
+                forward_step_func=step, data_iterator=microbatch_iterators([tokens[:, :width]], len(state.model)),
+                model=state.model if len(state.model) > 1 else state.model[0], num_microbatches=1,
+                seq_length=width, micro_batch_size=len(prompts), forward_only=True,
+            )  # fmt: skip
+        picked = (
+            _choose(res[0]["logits"], temperature, top_k, gen)
+            if chooser
+            else torch.zeros(len(prompts))
+        )
+        picked = _share(picked, chooser)
+        for i in range(len(prompts)):
+            if done[i]:
+                continue
+            tok = int(picked[i])
+            if tok in stop:
+                done[i] = True
+                continue
+            out[i].append(tok)
+            tokens[i, cur[i]] = tok
+        if bool(done.all()):
+            break
+    for chunk in state.model:
+        chunk.train()
+    return out
+
+
+def normalise(text: str) -> str:
+    return " ".join(text.strip().split())
+
+
+def exact_match(state, path: str | None = None, *, max_samples: int | None = None,
+                max_new_tokens: int = 32, batch: int = 64) -> dict:  # fmt: skip
+    """Greedy answers to the held-out instruction prompts vs their reference answers
+    (whitespace-normalised exact match). Every rank calls it."""
+    from ftcore.data.pipeline import load_prompts
+
+    cfg, tok = state.cfg, state.tokenizer
+    if cfg.data.format not in ("instruction", "chat"):
+        raise FtcoreError("exact-match accuracy needs instruction or chat data", field="eval.accuracy",
+                          fix="use data.format=instruction (or chat), or drop eval.accuracy")  # fmt: skip
+    pairs = load_prompts(cfg, tok, path)
+    if max_samples:
+        pairs = pairs[:max_samples]
+    if not pairs:
+        raise FtcoreError("no prompts to compute accuracy on", field="data.val_path")
+    stop, pad = stop_ids(tok), tok.pad_token_id or 0
+    correct = 0
+    samples = []
+    for i in range(0, len(pairs), batch):
+        part = pairs[i : i + batch]
+        answers = generate_ids(
+            state, [p for p, _ in part], max_new_tokens=max_new_tokens, stop=stop, pad_id=pad
+        )
+        for (_, want), ids in zip(part, answers):
+            got = tok.decode(ids, skip_special_tokens=True)
+            correct += normalise(got) == normalise(want)
+            if len(samples) < 3:
+                samples.append({"answer": got, "expected": want})
+    return {
+        "accuracy": correct / len(pairs),
+        "correct": correct,
+        "total": len(pairs),
+        "samples": samples,
+    }
+
+
+def accuracy(state, what: str) -> float:
+    """Exact-match accuracy on the held-out data, logged on rank 0 (for `eval.accuracy=true`)."""
+    cfg = state.cfg
+    res = exact_match(state, max_samples=cfg.eval.max_samples)
+    if state.info.rank == 0:
+        log.info("held-out exact-match accuracy %s: %.1f%% (%d/%d); e.g. %r", what, 100 * res["accuracy"],
+                 res["correct"], res["total"], res["samples"][:2])  # fmt: skip
+    return res["accuracy"]
+
+
+def prompt_ids(state, text: str) -> list[int]:
+    from ftcore.data.templates import Renderer
+
+    renderer = Renderer(state.tokenizer, "instruction", state.cfg.data.chat_template)
+    ids, _ = renderer.prompt({"instruction": text, "output": ""})
+    return ids
+
+
+def generate(cfg: DictConfig) -> str:
+    from ftcore import trainer
+
+    g = cfg.generate
+    if not g.prompt:
+        raise FtcoreError(
+            "no prompt given", field="generate.prompt", fix='generate.prompt="What is 2 + 3?"'
+        )
+    if g.max_new_tokens < 1:
+        raise FtcoreError("max_new_tokens must be >= 1", field="generate.max_new_tokens")
+    state = trainer.setup(cfg, data=False)
+    tok = state.tokenizer
+    (ids,) = generate_ids(state, [prompt_ids(state, g.prompt)], max_new_tokens=g.max_new_tokens,
+                          temperature=g.temperature, top_k=g.top_k, stop=stop_ids(tok),
+                          pad_id=tok.pad_token_id or 0, seed=cfg.run.seed)  # fmt: skip
+    text = tok.decode(ids, skip_special_tokens=True)
+    if state.info.rank == 0:
+        print(text, flush=True)
+    return text
+
+
+def task(cfg: DictConfig) -> int | None:
+    from ftcore import trainer, validate
+    from ftcore.runtime import dist as rdist
+
+    if not rdist.under_launcher() and cfg.launcher.nproc_per_node > 1:
+        checked = cfg.copy()
+        if checked.model.hf_path:
+            from ftcore.hf.config import merge_hf_config
+
+            checked = merge_hf_config(checked)
+        validate.validate(checked, cfg.launcher.nproc_per_node, training=False)
+        argv = [a for a in sys.argv[1:] if not a.startswith("run.dir=")]
+        argv.append(f"run.dir={trainer.decide_run_dir(cfg)}")
+        return rdist.launch_local_workers("ftcore.generate", argv, cfg.launcher.nproc_per_node)
+    try:
+        generate(cfg)
+    finally:
+        rdist.teardown()
+    return None
+
+
+if __name__ == "__main__":
+    run("generate", task)
