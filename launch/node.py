@@ -192,6 +192,11 @@ def finish(status: int, nnodes: int, linger: float) -> int:
         end = time.monotonic() + linger
         while time.monotonic() < end:
             time.sleep(0.2)
+    # The workers are gone: a signal now has nothing to stop. Ignore it rather than let it kill us
+    # while Python shuts down (which restores the default handlers, but keeps SIG_IGN), since the
+    # nodes that linger together end together and srun's TERM would otherwise turn 2/3 into 143.
+    for s in FORWARDED:
+        signal.signal(s, signal.SIG_IGN)
     return status
 
 
