@@ -174,13 +174,21 @@ def exact_match(state, path: str | None = None, *, max_samples: int | None = Non
     }
 
 
-def accuracy(state, what: str) -> float:
-    """Exact-match accuracy on the held-out data, logged on rank 0 (for `eval.accuracy=true`)."""
+def accuracy(state, what: str, before: float | None = None) -> float:
+    """Exact-match accuracy on the held-out data, logged on rank 0 and written to
+    `<run.dir>/accuracy.json` (for `eval.accuracy=true`; the trainer calls it before and after)."""
+    import json
+
     cfg = state.cfg
     res = exact_match(state, max_samples=cfg.eval.max_samples)
     if state.info.rank == 0:
-        log.info("held-out exact-match accuracy %s: %.1f%% (%d/%d); e.g. %r", what, 100 * res["accuracy"],
-                 res["correct"], res["total"], res["samples"][:2])  # fmt: skip
+        log.info("held-out exact-match accuracy %s: %.1f%% (%d/%d)%s; e.g. %s", what, 100 * res["accuracy"],
+                 res["correct"], res["total"], "" if before is None else f" (before: {100 * before:.1f}%)",
+                 "; ".join(f"{s['expected']!r} -> {s['answer']!r}" for s in res["samples"][:2]))  # fmt: skip
+        f = state.run_dir / "accuracy.json"
+        saved = json.loads(f.read_text()) if f.is_file() else {}
+        saved[what] = {k: res[k] for k in ("accuracy", "correct", "total")} | {"step": state.step}
+        f.write_text(json.dumps(saved, indent=1) + "\n")
     return res["accuracy"]
 
 

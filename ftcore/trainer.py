@@ -225,6 +225,10 @@ def fit(state: TrainState) -> None:
     if state.step == 0 and rank0:
         log.info("training %d steps (dp=%d, %d micro-batches/step/rank)", cfg.train.max_steps, state.dp,
                  cfg.train.global_batch_size // (cfg.train.micro_batch_size * state.dp))  # fmt: skip
+    if cfg.eval.accuracy and state.step == 0:  # held-out exact match of the starting model
+        from ftcore.generate import accuracy
+
+        state.extra["accuracy_before"] = accuracy(state, "before fine-tuning")
     timer = metrics_mod.StepTimer()
     start_time = time.time()
     world = state.info.world
@@ -277,6 +281,10 @@ def finish(state: TrainState) -> None:
     if cfg.checkpoint.save_at_end and not checkpoint.exists(state, state.step):
         checkpoint.save(state)
     checkpoint.wait(state)
+    if cfg.eval.accuracy:
+        from ftcore.generate import accuracy
+
+        accuracy(state, "after fine-tuning", before=state.extra.get("accuracy_before"))
     if cfg.peft.name != "none":
         from ftcore.peft.export import write_hf_adapter
 

@@ -120,6 +120,9 @@ def validate(cfg: DictConfig, launched: int, *, training: bool = True) -> int:
 
     check_choices(cfg)
     check_divisibility(cfg)
+    from ftcore.peft.lora import check_config as check_peft
+
+    check_peft(cfg)  # targets, rank, QLoRA x FP8/FP4, an adapter_path that fits the model
     if training:
         precision.check_hardware(cfg)
     world = world_size_of(cfg, launched)

@@ -259,22 +259,20 @@ def write_merged_model(base_dir, adapter_dir, out_dir) -> Path:
     return out_dir
 
 
-def adapter_matches(adapter_dir, hf_config: dict) -> None:
-    """Refuse an adapter whose shapes do not fit a Hugging Face config (before loading anything)."""
+def check_adapter_fits(adapter_dir, model_cfg) -> None:
+    """Refuse an adapter whose tensors do not fit the model (another base) before anything is built."""
     config, sd = read_adapter(adapter_dir)
-    h, f = hf_config["hidden_size"], hf_config["intermediate_size"]
-    heads = hf_config["num_attention_heads"]
-    kv = hf_config.get("num_key_value_heads") or heads
-    d = hf_config.get("head_dim") or h // heads
-    shapes = {"q_proj": (heads * d, h), "k_proj": (kv * d, h), "v_proj": (kv * d, h),
-              "o_proj": (h, heads * d), "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}  # fmt: skip
+    geo, r = geometry(model_cfg), int(config["r"])
     for (layer, mod, ab), t in by_module(sd, "peft.adapter_path").items():
-        out, inp = shapes[mod]
-        want = (config["r"], inp) if ab == "A" else (out, config["r"])
-        if layer >= hf_config["num_hidden_layers"] or tuple(t.shape) != want:
-            raise FtcoreError(f"adapter tensor layers.{layer}.{mod}.lora_{ab} does not fit this base "
-                              f"model", field="peft.adapter_path",
-                              fix="use the adapter with the base model it was trained on")  # fmt: skip
+        out, inp = geo.out_in(mod)
+        want = (r, inp) if ab == "A" else (out, r)
+        if layer >= model_cfg.num_layers or tuple(t.shape) != want:
+            raise FtcoreError(
+                f"{adapter_dir}: layers.{layer}.{mod}.lora_{ab} has shape {tuple(t.shape)}, this model "
+                f"({model_cfg.num_layers} layers) needs {want if layer < model_cfg.num_layers else 'no such layer'}: "
+                "the adapter was trained on another base",
+                field="peft.adapter_path", fix="use the adapter with the base model it was trained on",
+            )  # fmt: skip
 
 
 # ---------------------------------------------------------------- merge in megatron layout

@@ -141,6 +141,10 @@ def check_config(cfg: DictConfig) -> None:
         raise FtcoreError("no target modules", field="peft.target_modules",
                           fix="e.g. peft.target_modules=[q_proj,k_proj,v_proj,o_proj]")  # fmt: skip
     plan_targets(s.targets)
+    if s.adapter_path:
+        from ftcore.peft.export import check_adapter_fits
+
+        check_adapter_fits(s.adapter_path, cfg.model)
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
