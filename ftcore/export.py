@@ -3,7 +3,8 @@ checkpoint of any layout -> a Hugging Face model directory, in one process, one 
 
 DIR is a `checkpoints/step_<N>` directory, a `checkpoints/` directory (its `latest`) or a run
 directory. The model's shapes and tokenizer come from the run's `config.yaml`. The output defaults
-to `<run.dir>/hf_model`.
+to `<run.dir>/hf_model`. A LoRA run's (adapter-only) checkpoint goes to ftcore.peft.export:
+`hf_adapter/`, or with `export.merge=true` the merged model streamed from the run's base.
 """
 
 from __future__ import annotations
@@ -67,7 +68,16 @@ def task(cfg: DictConfig) -> int | None:
                           fix="export.checkpoint=<run.dir>/checkpoints/step_<N>")  # fmt: skip
     step_dir = resolve_step_dir(cfg.export.checkpoint)
     run_cfg = run_config(step_dir)
-    out = cfg.export.output or str(step_dir.parent.parent / "hf_model")
+    run_dir = step_dir.parent.parent
+    if run_cfg.peft.get("name", "none") != "none":  # LoRA checkpoints hold the adapters only
+        from ftcore.peft.export import export_adapter_checkpoint
+
+        default = run_dir / ("hf_model" if cfg.export.merge else "hf_adapter")
+        export_adapter_checkpoint(
+            step_dir, run_cfg, cfg.export.output or str(default), merge=cfg.export.merge
+        )
+        return None
+    out = cfg.export.output or str(run_dir / "hf_model")
     export_checkpoint(step_dir, run_cfg, out, dtype=cfg.export.dtype, max_shard_gb=cfg.export.max_shard_gb,
                       transform=merge_transform(cfg, run_cfg, step_dir))  # fmt: skip
     return None

@@ -102,6 +102,12 @@ class SafetensorsDir:
                 field=self.field, fix="config.json and the safetensors files must come from the same model",
             )  # fmt: skip
 
+    def check_all(self, shapes: mappings.Shapes) -> None:
+        """Every tensor of the model present with the config's shape, every shard whole (headers
+        only). Run on every rank before reading, so all ranks fail alike instead of some waiting."""
+        for name in mappings.hf_names(shapes):
+            self.check_shape(name, mappings.hf_shape(name, shapes))
+
     def read(self, piece: mappings.Piece) -> torch.Tensor:
         """Only the rows/columns of `piece`, copied out of the memory-mapped file."""
         from safetensors import SafetensorError, safe_open
@@ -134,9 +140,27 @@ def weights_source(cfg: DictConfig) -> tuple[Path, str]:
     return p, "model.init_path"
 
 
+READ_BLOCK_BYTES = 16 * 2**20  # rows read per safetensors call: bounds the transient buffer
+
+
+def _blocks(piece: mappings.Piece, shape: list[int], itemsize: int) -> list[mappings.Piece]:
+    """`piece` cut into row blocks of at most READ_BLOCK_BYTES (1-D tensors stay whole)."""
+    if len(shape) < 2:
+        return [piece]
+    r0, r1 = piece.rows or (0, shape[0])
+    width = (piece.cols[1] - piece.cols[0]) if piece.cols else shape[1]
+    step = max(1, READ_BLOCK_BYTES // max(1, width * itemsize))
+    return [
+        mappings.Piece(piece.hf, (a, min(a + step, r1)), piece.cols) for a in range(r0, r1, step)
+    ]
+
+
 @torch.no_grad()
 def load_weights(cfg: DictConfig, chunks: list) -> None:
-    """Every parameter of this rank's chunks from the HF directory, reading only this rank's slices."""
+    """Every parameter of this rank's chunks from the HF directory, reading only this rank's slices.
+
+    Each piece is read in row blocks straight into its rows of the parameter, so beyond the shard
+    itself a rank holds one block (and its mapped pages) at a time."""
     from megatron.core import parallel_state as ps
 
     from ftcore.models.sharding import iter_params, shard_info
@@ -145,30 +169,38 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
     st = SafetensorsDir(root, field)
     shapes = mappings.Shapes.from_cfg(cfg.model)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    st.check_all(shapes)
     for name, p in iter_params(chunks):
         mp = mappings.resolve(name, shapes.tie)
         if mp is None:
             raise FtcoreError(f"parameter {name} has no Hugging Face counterpart", field=field,
                               fix="load HF weights before adding adapters; only Llama layers are mapped")  # fmt: skip
-        for h in mp.hf:
-            st.check_shape(h, mappings.hf_shape(h, shapes))
-        info = shard_info(name, p, tp)
-        parts = []
-        for piece in mappings.shard_pieces(mp, info, shapes, tp_rank, tp):
+        row = 0
+        for piece in mappings.shard_pieces(
+            mp, info=shard_info(name, p, tp), s=shapes, tp_rank=tp_rank, tp=tp
+        ):
             if piece.hf is None:
-                parts.append(
-                    torch.zeros(
-                        (piece.rows[1] - piece.rows[0],) + tuple(p.shape[1:]), dtype=p.dtype
-                    )
-                )
-            else:
-                parts.append(st.read(piece).to(p.dtype))
-        shard = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if tuple(shard.shape) != tuple(p.shape):
-            raise FtcoreError(f"{name}: built shard {tuple(shard.shape)} from {', '.join(mp.hf)} but the "
-                              f"parameter is {tuple(p.shape)}", field=field)  # fmt: skip
-        p.copy_(shard)
-        del parts, shard
+                n = piece.rows[1] - piece.rows[0]
+                p[row : row + n].zero_()
+                row += n
+                continue
+            _, meta = st.entry(piece.hf)
+            itemsize = torch.empty(
+                (), dtype=DTYPES.get(meta["dtype"], torch.float32)
+            ).element_size()
+            for block in _blocks(piece, meta["shape"], itemsize):
+                t = st.read(block)
+                dst = p[row : row + t.shape[0]] if p.dim() > 1 else p
+                if tuple(t.shape) != tuple(dst.shape):
+                    raise FtcoreError(f"{name}: {block.hf} rows {block.rows} give {tuple(t.shape)}, the "
+                                      f"parameter's slice is {tuple(dst.shape)}", field=field)  # fmt: skip
+                dst.copy_(t)
+                row += t.shape[0]
+                del t
+        if row != p.shape[0]:
+            raise FtcoreError(
+                f"{name}: {', '.join(mp.hf)} filled {row} of {p.shape[0]} rows", field=field
+            )
     log.info("loaded %s weights from %s", field, root)
 
 

@@ -152,15 +152,16 @@ def forward_logits(state, x: torch.Tensor):
 
     for chunk in state.model:
         chunk.eval()
+    rows = list(x.split(1))  # one sequence per micro-batch (interleaving wants >= pp of them)
     with cpu.device_mode():
         out = get_forward_backward_func()(
-            forward_step_func=_logits_step, data_iterator=microbatch_iterators([x], len(state.model)),
-            model=state.model if len(state.model) > 1 else state.model[0], num_microbatches=1,
-            seq_length=x.shape[1], micro_batch_size=x.shape[0], forward_only=True,
+            forward_step_func=_logits_step, data_iterator=microbatch_iterators(rows, len(state.model)),
+            model=state.model if len(state.model) > 1 else state.model[0], num_microbatches=len(rows),
+            seq_length=x.shape[1], micro_batch_size=1, forward_only=True,
         )  # fmt: skip
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    return out[0]["logits"][..., : state.cfg.model.vocab_size].float()
+    return torch.cat([o["logits"] for o in out])[..., : state.cfg.model.vocab_size].float()
 
 
 def load_case(hf_dir: str, run_dir: str, overrides: list[str], x: torch.Tensor, data: str | None = None,
@@ -186,4 +187,43 @@ def load_case(hf_dir: str, run_dir: str, overrides: list[str], x: torch.Tensor, 
         from ftcore.hf.export import write_hf_model
 
         out["export"] = str(write_hf_model(state))
+    return out
+
+
+def save_case(hf_dir: str, run_dir: str, overrides: list[str], x: torch.Tensor) -> dict:
+    """Worker: load under a layout, return logits, save a checkpoint (step_0) of that layout."""
+    from megatron.core import parallel_state as ps
+
+    from ftcore import checkpoint, trainer
+
+    state = trainer.setup(compose_hf(hf_dir, run_dir, overrides), data=False)
+    logits = forward_logits(state, x)
+    checkpoint.save(state)
+    return {"logits": logits if ps.get_tensor_model_parallel_rank() == 0 else None}
+
+
+def cli_status(module: str, argv: list[str]) -> tuple[int, str]:
+    """Worker: run an entry point's task in-process through ftcore.cli.main; (status, stderr)."""
+    import contextlib
+    import importlib
+    import io
+
+    from ftcore.cli import main
+
+    def task(cfg):  # like ftcore.eval.task without the launcher/teardown (the pool owns the group)
+        importlib.import_module(module).evaluate(cfg)
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main(module.rsplit(".", 1)[-1], task, argv)
+    return status, err.getvalue()
+
+
+def read_hf_dir(path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys()})
     return out
