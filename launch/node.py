@@ -9,8 +9,8 @@ torchrun-style environment, and waits.
 Why not torchrun: torchrun turns every worker failure into its own exit status 1, so the trainer's
 "3 = stopped after saving, requeue me" would not reach the batch script, and on a signal it kills
 the workers after a 30 s grace, too short to save a 70B/405B checkpoint. Here:
-- SIGTERM/SIGINT/SIGUSR1/SIGUSR2 are forwarded to the workers, which save and exit 3; the launcher
-  waits for them as long as SLURM lets it;
+- SIGTERM/SIGINT/SIGUSR1 are forwarded to the workers, which save and exit 3 (SIGUSR2, submitit's
+  warning, is sent on as SIGUSR1); the launcher waits for them as long as SLURM lets it;
 - exit status: 0 if every worker finished; 3 if every worker exited 0 or 3 and one exited 3; else
   the first failure's status (128 + signal if killed). A failed worker (not 0/3) takes the others
   down (TERM, then KILL after --grace seconds), so a crash never hangs the other ranks.
@@ -137,16 +137,23 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+def _ignore_usr2() -> None:
+    """In each worker (inherited through exec): SLURM's `--signal=USR2` (submitit) reaches every
+    process of the step, and USR2 would kill a worker; the launcher turns it into USR1 instead."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
 def supervise(procs: list[subprocess.Popen], grace: float) -> int:
     """Wait for every worker; forward stop signals; on a crash take the others down."""
 
     def forward(signum, _frame):
-        print(
-            f"ftcore.launch: got {signal.Signals(signum).name}, forwarding to workers", flush=True
-        )
+        # SIGUSR2 (submitit's "time is nearly up") becomes the trainer's stop request, SIGUSR1.
+        to = signal.SIGUSR1 if signum == signal.SIGUSR2 else signal.Signals(signum)
+        name = signal.Signals(signum).name
+        print(f"ftcore.launch: got {name}, sending {to.name} to the workers", flush=True)
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signum)
+                p.send_signal(to)
 
     for s in FORWARDED:
         signal.signal(s, forward)
@@ -245,7 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + early[0]
     gpu = cfg is None or cfg.cluster.device != "cpu"
     procs = [
-        subprocess.Popen(info["worker_cmd"], env=slurm_env.worker_env(layout, r, env, gpu))
+        subprocess.Popen(
+            info["worker_cmd"],
+            env=slurm_env.worker_env(layout, r, env, gpu),
+            preexec_fn=_ignore_usr2,
+        )
         for r in range(layout.nproc_per_node)
     ]
     status = supervise(procs, args.grace)

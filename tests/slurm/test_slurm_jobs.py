@@ -97,3 +97,35 @@ def test_slurm_is_real(slurm_cluster):
         subprocess.run(["scontrol", "ping"], env=slurm_cluster.env, capture_output=True).returncode
         == 0
     )
+
+
+RECORD = """import json, os, sys
+args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+with open(os.path.join(args["run.dir"], "rank%s.json" % os.environ["RANK"]), "w") as f:
+    json.dump({"argv": sys.argv[1:], "world": os.environ["WORLD_SIZE"],
+               "node": os.environ["SLURMD_NODENAME"]}, f)
+"""
+
+
+def test_hydra_submitit_sweep_runs_each_point_as_a_two_node_job(jobs, tmp_path):
+    """`-m` sweeps through hydra-submitit-launcher: one SLURM job per point, the per-node launcher
+    on every node. (A stand-in module records what each rank was given; the trainer itself runs
+    under the same launcher in the tests above.)"""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    (tmp_path / "record_rank.py").write_text(RECORD)
+    env = {**jobs.env, "FTCORE_MODULE": "record_rank", "PYTHONPATH": str(tmp_path)}
+    cmd = [
+        *("python", "-m", "ftcore.launch.sweep", "-m", "hydra/launcher=submitit_slurm"),
+        *("hydra.launcher.nodes=2", "hydra.launcher.timeout_min=10", "hydra.sweep.dir=sweep"),
+        *("+exp=tiny_full", "train.max_steps=1,2"),
+    ]
+    r = subprocess.run(cmd, cwd=jobs.workdir, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for point, steps in ((0, "1"), (1, "2")):
+        ranks = [
+            json.loads((jobs.workdir / "sweep" / str(point) / f"rank{i}.json").read_text())
+            for i in (0, 1)
+        ]
+        assert [rk["node"] for rk in ranks] == ["node1", "node2"] and ranks[0]["world"] == "2"
+        assert f"train.max_steps={steps}" in ranks[0]["argv"]
+        assert f"run.dir={jobs.workdir}/sweep/{point}" in ranks[1]["argv"]
