@@ -243,6 +243,13 @@ class BenchConfig:
     warmup_steps: int = 2
     measure_steps: int = 5
     runs: list[Any] = field(default_factory=list)  # each: a list of Hydra overrides or a dict
+    kind: str = "layouts"  # layouts (fixed steps per config) | cpu_vs_hf (one epoch, vs HF Trainer)
+    base: list[str] = field(default_factory=list)  # overrides every run starts from
+    sweep: dict[str, Any] = field(default_factory=dict)  # key -> values: their product, after runs
+    threads: Optional[int] = None  # torch threads per process on CPU (both sides of cpu_vs_hf)
+    timeout_min: float = 30.0  # per configuration; a run past it is recorded as failed
+    output_dir: Optional[str] = None  # default outputs/bench/<name>
+    hf: dict[str, Any] = field(default_factory=dict)  # cpu_vs_hf: the HF model shape and batch size
 
 
 @dataclass

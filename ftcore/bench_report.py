@@ -1,0 +1,185 @@
+"""bench.md (a table) and bench.png (throughput per configuration) from the latest invocation in
+bench.jsonl; older invocations stay in the JSONL for history."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+SPLIT = ("data", "fwd_bwd", "tp_comm", "grad_sync", "pp_p2p", "optimizer", "other")
+
+
+def read_lines(path: Path) -> list[dict]:
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a torn line from an interrupted run
+    return out
+
+
+def latest(lines: list[dict]) -> list[dict]:
+    if not lines:
+        return []
+    inv = lines[-1].get("invocation")
+    return [ln for ln in lines if ln.get("invocation") == inv]
+
+
+def _f(x, fmt: str = ".0f") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    return format(x, fmt)
+
+
+def _layout(lay: dict) -> str:
+    parts = [f"tp{lay['tp']}", f"pp{lay['pp']}"]
+    if lay["vp"] > 1:
+        parts.append(f"vp{lay['vp']}")
+    parts.append(f"dp{lay['dp']}")
+    if lay["sp"]:
+        parts.append("sp")
+    if lay["distributed_optimizer"]:
+        parts.append("dist-opt")
+    if lay["recompute"] != "none":
+        parts.append(f"rc-{lay['recompute']}")
+    parts.append("packed" if lay["packing"] else "padded")
+    if lay["peft"] != "none":
+        parts.append(lay["peft"])
+    return " ".join(parts)
+
+
+def _header(lines: list[dict]) -> list[str]:
+    first = lines[0]
+    m = first.get("machine", {})
+    loads = [ln["load_avg"] for ln in lines if ln.get("load_avg")]
+    load_txt = ""
+    if loads:
+        lo = min(x[0][0] for x in loads if x and x[0])
+        hi = max(x[-1][0] for x in loads if x and x[-1])
+        load_txt = f"; 1-min load average {lo:.1f}–{hi:.1f} during the runs"
+    where = f"{m.get('host')}: {m.get('cpu')}, {m.get('cores')} cores" + (
+        f", {m['gpu']}" if m.get("gpu") else ""
+    )
+    return [
+        f"# bench {first['bench']} ({first['invocation']})",
+        "",
+        f"`{first['command']}` at commit {first.get('commit')}, {first['time']}",
+        f"on {where}{load_txt}.",
+        "",
+    ]
+
+
+def layouts_md(lines: list[dict]) -> list[str]:
+    out = [
+        "| run | layout | tokens/s/GPU | slot tok/s/GPU | predicted | meas/pred | step s (median, spread) "
+        "| TFLOP/s/GPU | MFU | peak GiB | split s/step: " + " / ".join(SPLIT) + " |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for ln in lines:
+        if ln.get("status") != "ok":
+            out.append(f"| {ln['label']} | failed: {ln.get('error', '')[:120]} |||||||||")
+            continue
+        pred = ln.get("predicted") or {}
+        split = ln.get("time_split_s", {})
+        out.append(
+            f"| {ln['label']} | {_layout(ln['layout'])} | {_f(ln['tokens_per_s_per_gpu'])} "
+            f"| {_f(ln['slot_tokens_per_s_per_gpu'])} | {_f(pred.get('tokens_per_s_per_gpu'))} "
+            f"| {_f(ln.get('measured_over_predicted'), '.2f')} "
+            f"| {_f(ln['step_time_s'], '.3f')} ±{_f(100 * ln['step_time_spread'], '.0f')}% "
+            f"| {_f(ln['model_tflops_per_gpu'], '.4f')} | {_f(ln.get('mfu') and 100 * ln['mfu'], '.1f')}% "
+            f"| {_f(ln['peak_mem_gib'], '.2f')} | "
+            + " / ".join(_f(split.get(k), ".3f") for k in SPLIT)
+            + " |"
+        )
+    out += [
+        "",
+        "tokens/s/GPU counts non-padding tokens; slot tok/s/GPU counts global batch × seq_len per step, "
+        "the planner's basis, so meas/pred = predicted step time / measured median step time. "
+        "Spread = (max − min) / median over the measured steps. On CPU, GiB is the peak resident memory "
+        "of a worker and TFLOP/s/MFU are against conf/cluster's nominal peak. Split: mean seconds per "
+        "step, averaged over ranks (tp_comm: megatron's TP mappings; grad_sync: finalize_model_grads; "
+        "pp_p2p: pipeline sends/receives including waits; other: the rest of the step).",
+    ]
+    return out
+
+
+def cpu_vs_hf_md(lines: list[dict]) -> list[str]:
+    hf = next((ln for ln in lines if ln.get("side") == "hf" and ln.get("status") == "ok"), None)
+    out = [
+        "| side | run | steps | non-padding tokens | wall s | tokens/s | × HF | eval loss | Δ vs HF | peak GiB | threads |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for ln in lines:
+        if ln.get("status") != "ok":
+            out.append(
+                f"| {ln.get('side')} | {ln['label']} | failed: {ln.get('error', '')[:120]} ||||||||"
+            )
+            continue
+        ratio = ln.get("ratio_vs_hf") if ln.get("side") == "ftcore" else (1.0 if hf else None)
+        diff = ln.get("eval_loss_rel_diff")
+        out.append(
+            f"| {ln['side']} | {ln['label']} | {ln['steps']} | {ln['tokens']} | {_f(ln['wall_s'], '.1f')} "
+            f"| {_f(ln['tokens_per_s'])} | {_f(ratio, '.2f')} | {_f(ln['eval_loss'], '.4f')} "
+            f"| {_f(diff and 100 * diff, '+.1f')}{'%' if diff is not None else ''} "
+            f"| {_f(ln.get('peak_mem_gib'), '.2f')} | {ln.get('threads')} |"
+        )
+    out += [
+        "",
+        "One epoch over the same documents each; tokens/s = non-padding tokens / wall time of the "
+        "epoch (HF: trainer.train(); ftcore: the training steps). Eval loss: per-token cross entropy "
+        "over every target token of the validation set after the epoch; a ratio counts only when the "
+        "eval losses are within 5%.",
+    ]
+    return out
+
+
+def plot(lines: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [ln for ln in lines if ln.get("status") == "ok"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(ok) + 2), 4.5))
+    labels = [ln["label"] for ln in ok]
+    x = range(len(ok))
+    if lines and lines[0].get("kind") == "cpu_vs_hf":
+        vals = [ln["tokens_per_s"] for ln in ok]
+        colors = ["tab:gray" if ln.get("side") == "hf" else "tab:blue" for ln in ok]
+        ax.bar(x, vals, color=colors)
+        ax.set_ylabel("non-padding tokens/s (one process)")
+        for i, ln in enumerate(ok):
+            if ln.get("ratio_vs_hf"):
+                ax.annotate(f"{ln['ratio_vs_hf']:.2f}x", (i, vals[i]), ha="center", va="bottom")
+    else:
+        w = 0.4
+        meas = [ln["slot_tokens_per_s_per_gpu"] for ln in ok]
+        pred = [(ln.get("predicted") or {}).get("tokens_per_s_per_gpu") or 0 for ln in ok]
+        ax.bar([i - w / 2 for i in x], meas, w, label="measured")
+        ax.bar([i + w / 2 for i in x], pred, w, label="planner", color="tab:orange")
+        ax.set_ylabel("tokens/s/GPU (global batch × seq_len)")
+        ax.legend()
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, rotation=30, ha="right")
+    ax.set_title(f"bench {lines[0]['bench']} ({lines[0]['invocation']})" if lines else "bench")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write(out_dir: Path) -> tuple[Path, Path]:
+    """bench.md and bench.png of the latest invocation in out_dir/bench.jsonl."""
+    lines = latest(read_lines(out_dir / "bench.jsonl"))
+    md, png = out_dir / "bench.md", out_dir / "bench.png"
+    if not lines:
+        md.write_text("# bench\n\nno results yet\n")
+        plot([], png)
+        return md, png
+    body = cpu_vs_hf_md(lines) if lines[0].get("kind") == "cpu_vs_hf" else layouts_md(lines)
+    md.write_text("\n".join(_header(lines) + body) + "\n")
+    plot(lines, png)
+    return md, png

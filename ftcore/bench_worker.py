@@ -1,0 +1,201 @@
+"""One benchmark configuration in its own process: `python -m ftcore.bench_worker [overrides]`.
+
+ftcore.bench starts this once per configuration (a fresh process, so runs do not disturb each
+other); with `launcher.nproc_per_node > 1` it starts its local workers the way ftcore.train does.
+The steps are the trainer's own (`trainer.setup`, `trainer.train_step`); timers wrapped around the
+loader, the pipeline schedule, the grad sync, TP collectives, pipeline sends and the optimizer
+split each step's wall time. What to run comes from the JSON file named by FTCORE_BENCH_SPEC:
+  {"out": result file, "warmup": N, "measure": N}             fixed number of steps, or
+  {"out": ..., "epoch": true, "eval": true}                   one epoch, then the validation loss.
+Rank 0 writes the result JSON; nothing is checkpointed or exported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from ftcore.cli import run
+
+SPEC_ENV = "FTCORE_BENCH_SPEC"
+PARTS = ("data", "fwd_bwd", "tp_comm", "grad_sync", "pp_p2p", "optimizer")
+
+
+class Timers:
+    """Seconds per named part of the current step; nested parts are subtracted from fwd_bwd later."""
+
+    def __init__(self):
+        self.t = defaultdict(float)
+
+    def wrap(self, name: str, fn):
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t[name] += time.perf_counter() - t0
+
+        timed.__wrapped__ = fn
+        return timed
+
+    def take(self) -> dict:
+        out = {k: self.t.get(k, 0.0) for k in PARTS}
+        # grad sync, TP collectives and pipeline sends run inside the schedule: fwd_bwd is the rest
+        out["fwd_bwd"] = max(
+            0.0, out["fwd_bwd"] - out["tp_comm"] - out["grad_sync"] - out["pp_p2p"]
+        )
+        self.t.clear()
+        return out
+
+
+def instrument(state, timers: Timers) -> None:
+    """Wrap the pieces of trainer.train_step (this process only: it exists to be measured)."""
+    from megatron.core.pipeline_parallel import p2p_communication
+    from megatron.core.tensor_parallel import mappings
+
+    from ftcore import trainer
+
+    trainer.run_batches = timers.wrap("fwd_bwd", trainer.run_batches)
+    state.loader.next_microbatches = timers.wrap("data", state.loader.next_microbatches)
+    for name in ("prepare_grads", "get_grad_norm", "step"):
+        setattr(state.optimizer, name, timers.wrap("optimizer", getattr(state.optimizer, name)))
+    config = state.model[0].config
+    config.finalize_model_grads_func = timers.wrap("grad_sync", config.finalize_model_grads_func)
+    comm = p2p_communication.P2PCommunicator
+    comm._communicate = timers.wrap("pp_p2p", comm._communicate)
+    for name in (
+        "_reduce",
+        "_gather_along_last_dim",
+        "_gather_along_first_dim",
+        "_reduce_scatter_along_first_dim",
+        "_reduce_scatter_along_last_dim",
+    ):
+        if hasattr(mappings, name):
+            setattr(mappings, name, timers.wrap("tp_comm", getattr(mappings, name)))
+
+
+def _gather(obj):
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def eval_loss(state) -> tuple[float, int]:
+    """Per-token validation loss over every validation batch (not only eval.iters of them)."""
+    from megatron.core import parallel_state as ps
+
+    from ftcore import trainer
+    from ftcore.data.pipeline import build_val_batches
+
+    cfg = state.cfg
+    batches = build_val_batches(cfg, state.tokenizer, ps.get_data_parallel_rank(), state.dp)
+    import torch
+
+    for chunk in state.model:
+        chunk.eval()
+    total, n = 0.0, 0.0
+    with torch.no_grad():
+        for mbs in batches:
+            s, c = trainer.run_batches(state, mbs, forward_only=True)
+            total, n = total + s, n + c
+    return total / max(n, 1.0), int(n)
+
+
+def measure(state, spec: dict) -> dict:
+    from ftcore import metrics, trainer
+
+    cfg = state.cfg
+    timers = Timers()
+    instrument(state, timers)
+    loader = state.loader
+    if spec.get("epoch"):
+        rows = loader.report["rows"]
+        warmup, steps = 0, math.ceil(rows / cfg.train.global_batch_size)
+    else:
+        warmup, steps = int(spec["warmup"]), int(spec["warmup"]) + int(spec["measure"])
+    records = []
+    t_start = time.perf_counter()
+    for i in range(steps):
+        t0 = time.perf_counter()
+        out = trainer.train_step(state)
+        dt = time.perf_counter() - t0
+        parts = timers.take()
+        state.step += 1
+        records.append(
+            {
+                "step": i + 1,
+                "warmup": i < warmup,
+                "loss": out["loss"],
+                "skipped": bool(out.get("skipped")),
+                "tokens": out.get("tokens", 0),
+                "target_tokens": out.get("target_tokens", 0),
+                "step_time_s": dt,
+                "parts": parts,
+            }
+        )
+    wall = time.perf_counter() - t_start
+    result = {"steps": records, "wall_s": wall}
+    # every rank's split (pipeline stages differ); rank 0 keeps them all
+    all_parts = _gather([r["parts"] for r in records])
+    result["parts_by_rank"] = all_parts
+    result["peak_mem_gib"] = max(_gather(metrics.peak_mem_gib()))
+    if spec.get("eval"):
+        result["eval_loss"], result["eval_tokens"] = eval_loss(state)
+    result["data_report"] = loader.report
+    result["world"] = state.info.world
+    result["dp"] = state.dp
+    result["flops_per_token"] = _flops_per_token(cfg)
+    result["threads"] = __import__("torch").get_num_threads()
+    return result
+
+
+def _flops_per_token(cfg) -> float:
+    from ftcore.planner.flops import model_flops_per_token
+
+    return float(model_flops_per_token(cfg))
+
+
+def task(cfg: DictConfig) -> int | None:
+    from ftcore import trainer, validate
+    from ftcore.runtime import dist
+
+    spec = json.loads(Path(os.environ[SPEC_ENV]).read_text())
+    if not dist.under_launcher() and cfg.launcher.nproc_per_node > 1:
+        validate.validate(cfg, cfg.launcher.nproc_per_node)
+        return dist.launch_local_workers(
+            "ftcore.bench_worker", sys.argv[1:], cfg.launcher.nproc_per_node
+        )
+    try:
+        state = trainer.setup(cfg)
+        result = measure(state, spec)
+        if state.info.rank == 0:
+            tmp = Path(spec["out"]).with_suffix(".tmp")
+            tmp.write_text(json.dumps(result))
+            os.replace(tmp, spec["out"])
+    finally:
+        dist.teardown()
+    return None
+
+
+def median_spread(xs: list[float]) -> tuple[float, float]:
+    """(median, (max - min) / median) of the measured step times."""
+    if not xs:
+        return float("nan"), float("nan")
+    med = statistics.median(xs)
+    return med, (max(xs) - min(xs)) / med if med else float("nan")
+
+
+if __name__ == "__main__":
+    run("bench_worker", task)
