@@ -1,6 +1,6 @@
 """Regenerate the tiny pretrained base of `tiny_lora` (ftcore/assets/tiny_base/).
 
-    python -m ftcore.assets.make_tiny_base [--steps 600] [--seed 0]
+    python -m ftcore.assets.make_tiny_base [--steps 100] [--seed 0] [extra train overrides]
 
 1. Writes a plain-text corpus of the sample domain (the words, numbers and string facts the
    instruction data is about: "417 + 26 = 443", "lemon backwards is nomel", ...) with none of the
@@ -89,13 +89,13 @@ def corpus(n_docs: int, seed: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--docs", type=int, default=20000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--work", type=Path, default=None, help="keep the corpus and run here")
-    args = ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="tiny_base_"))
     work.mkdir(parents=True, exist_ok=True)
     data = work / "corpus.jsonl"
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = work / "run"
     cmd = [sys.executable, "-m", "ftcore.train", "+exp=tiny_full", f"run.dir={run_dir}", f"data.path={data}",
            "data.format=text", "data.packing=true", f"train.max_steps={args.steps}", f"optim.lr={args.lr}",
-           "sched.warmup_steps=20", f"sched.min_lr={args.lr / 10}", "eval.interval=0", "export.dtype=bf16",
-           "checkpoint.interval=0", "checkpoint.save_at_end=false", f"run.seed={args.seed}"]  # fmt: skip
+           "sched.warmup_steps=10", f"sched.min_lr={args.lr / 10}", "eval.interval=0", "export.dtype=bf16",
+           "checkpoint.interval=0", "checkpoint.save_at_end=false", f"run.seed={args.seed}", *extra]  # fmt: skip
     print(" ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True)
     shutil.rmtree(args.out, ignore_errors=True)

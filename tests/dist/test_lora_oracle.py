@@ -23,7 +23,7 @@ def oracle_case(hf_dir: str, run_dir: str, targets: list[str], x: torch.Tensor) 
     """Worker: train a few LoRA steps at this layout, then logits, loss, hf_adapter/, merged export."""
     from megatron.core import parallel_state as ps
 
-    from ftcore import trainer
+    from ftcore import checkpoint, trainer
     from ftcore.data.pipeline import MicroBatch
     from ftcore.hf.export import write_hf_model
     from ftcore.peft.export import live_merge_transform, write_hf_adapter
@@ -44,6 +44,9 @@ def oracle_case(hf_dir: str, run_dir: str, targets: list[str], x: torch.Tensor) 
                     segment_ids=torch.ones(inp.shape, dtype=torch.int32), num_tokens=inp.numel())  # fmt: skip
     loss_sum, n = trainer.run_batches(state, [mb], forward_only=True)
     write_hf_adapter(state)
+    state.step = STEPS
+    checkpoint.save(state, blocking=True)  # adapter-only, sharded at TP=2
+    checkpoint.wait(state)
     merged = write_hf_model(
         state, transform=live_merge_transform(state), out=Path(run_dir) / "hf_merged"
     )
@@ -87,6 +90,23 @@ def test_peft_loads_what_ftcore_trained(case, pool2, tiny, tmp_path):
             got = hf_model(where)(input_ids=x[:, :SEQ]).logits.float()
         rel = _rel(got, want)
         assert rel <= 1e-4, f"{case}: merged model {where} vs base+adapter differ by {rel:.2e}"
+    # the TP=2 adapter-only checkpoint, exported in one process (python -m ftcore.export's path)
+    from safetensors.torch import load_file
+
+    from ftcore.export import resolve_step_dir, run_config
+    from ftcore.peft.export import export_adapter_checkpoint
+
+    step = resolve_step_dir(str(tmp_path))
+    ad = export_adapter_checkpoint(step, run_config(step), tmp_path / "ckpt_adapter", merge=False)
+    a, b = (
+        load_file(str(ad / "adapter_model.safetensors")),
+        load_file(str(tmp_path / "hf_adapter" / "adapter_model.safetensors")),
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    merged = export_adapter_checkpoint(step, run_config(step), tmp_path / "ckpt_merged", merge=True)
+    with torch.no_grad():
+        rel = _rel(hf_model(merged)(input_ids=x[:, :SEQ]).logits.float(), want)
+    assert rel <= 1e-4, f"{case}: merged export of the checkpoint differs by {rel:.2e}"
     if case == "all7":
         cfg = LoraConfig(r=4, lora_alpha=8, target_modules=ALL7, task_type="CAUSAL_LM")
         trainable, total = get_peft_model(hf_model(tiny), cfg).get_nb_trainable_parameters()
