@@ -149,11 +149,12 @@ def supervise(procs: list[subprocess.Popen], grace: float) -> int:
     def forward(signum, _frame):
         # SIGUSR2 (submitit's "time is nearly up") becomes the trainer's stop request, SIGUSR1.
         to = signal.SIGUSR1 if signum == signal.SIGUSR2 else signal.Signals(signum)
-        name = signal.Signals(signum).name
-        print(f"ftcore.launch: got {name}, sending {to.name} to the workers", flush=True)
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(to)
+        live = [p for p in procs if p.poll() is None]
+        if live:
+            name = signal.Signals(signum).name
+            print(f"ftcore.launch: got {name}, sending {to.name} to the workers", flush=True)
+        for p in live:
+            p.send_signal(to)
 
     for s in FORWARDED:
         signal.signal(s, forward)
