@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from ftcore.errors import FtcoreError
 from ftcore.planner import throughput as _throughput
 from ftcore.planner.memory import GiB, StageMemory, all_stages
+from ftcore.planner.view import view
 
 __all__ = ["check_fit", "plan", "gpus_needed"]
 
@@ -37,6 +38,7 @@ def check_fit(cfg: DictConfig, world_size: int) -> None:
     (or `plan.enforce=false`)."""
     if not cfg.plan.enforce:
         return
+    cfg = view(cfg)
     stages = all_stages(cfg, world_of(cfg, world_size))
     worst = worst_stage(stages)
     cap = capacity(cfg)
@@ -85,6 +87,7 @@ def gpus_needed(cfg: DictConfig) -> int | None:
 
 def plan(cfg: DictConfig, world_size: int | None = None) -> dict:
     """The plan of DESIGN.md: memory per stage (worst stage on top), fit, GPUs needed, speed."""
+    cfg = view(cfg)
     world = world_of(cfg, world_size)
     stages = all_stages(cfg, world)
     worst = worst_stage(stages)

@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 from ftcore.planner import activations as act
 from ftcore.planner.layers import split_layers
 from ftcore.planner.params import Param, rank_params
+from ftcore.planner.view import view
 
 GiB = 1024**3
 GRAD_REDUCE_IN_FP32 = (
@@ -100,13 +101,10 @@ def quantized_weight_bytes(cfg: DictConfig) -> float:
     return 2.0 if hopper else 1.0  # per-tensor scaling: transpose cache only where GEMMs need TN
 
 
-def _quantized_layer(cfg: DictConfig, name: str) -> bool:
+def _quantized_layer(cfg: DictConfig, layer: int) -> bool:
     """Linears of transformer layers outside the first/last `first_last_bf16_layers` are quantized."""
-    if not name.startswith("layers."):
-        return False
     n = cfg.precision.first_last_bf16_layers
-    layer = int(name.split(".")[1])
-    return n <= layer < cfg.model.num_layers - n
+    return layer >= 0 and n <= layer < cfg.model.num_layers - n
 
 
 def nf4_bytes(double_quant: bool, block: int = 64) -> float:
@@ -116,6 +114,15 @@ def nf4_bytes(double_quant: bool, block: int = 64) -> float:
 
 def model_state(cfg: DictConfig, pp_rank: int, dp: int, dp_rank: int = 0) -> dict[str, int]:
     """Weights, grads and optimizer bytes of one rank; `dp` counts dp*cp (megatron's dp_cp group)."""
+    cfg = view(cfg)
+    cache = cfg.__dict__.setdefault("_cache", {})
+    key = ("model_state", pp_rank, dp, dp_rank)
+    if key not in cache:
+        cache[key] = _model_state(cfg, pp_rank, dp, dp_rank)
+    return dict(cache[key])
+
+
+def _model_state(cfg, pp_rank: int, dp: int, dp_rank: int) -> dict[str, int]:
     pr, p = cfg.precision, cfg.parallel
     pb = act.DTYPE_BYTES[pr.params_dtype]
     gb = 4 if GRAD_REDUCE_IN_FP32 else pb
@@ -130,7 +137,7 @@ def model_state(cfg: DictConfig, pp_rank: int, dp: int, dp_rank: int = 0) -> dic
         trainable = [q for q in chunk if q.trainable]
         for q in chunk:
             out["elements"] += q.numel
-            quant = q.kind == "linear" and _quantized_layer(cfg, q.name)
+            quant = bool(qbytes) and q.kind == "linear" and _quantized_layer(cfg, q.layer)
             if quant and qbytes:
                 if param_gather:  # stored quantized; no bf16 copy on the GPU
                     out["quantized_cache"] += int(q.numel * (qbytes - 1 if q.trainable else qbytes))
@@ -167,6 +174,7 @@ def model_state(cfg: DictConfig, pp_rank: int, dp: int, dp_rank: int = 0) -> dic
 def stage_memory(
     cfg: DictConfig, world: int, pp_rank: int, micro_batch: int | None = None
 ) -> StageMemory:
+    cfg = view(cfg)
     p, t = cfg.parallel, cfg.train
     dp = world // (p.tp * p.pp * p.cp)
     mbs = micro_batch or t.micro_batch_size
@@ -220,4 +228,5 @@ def stage_memory(
 
 
 def all_stages(cfg: DictConfig, world: int, micro_batch: int | None = None) -> list[StageMemory]:
+    cfg = view(cfg)
     return [stage_memory(cfg, world, r, micro_batch) for r in range(cfg.parallel.pp)]

@@ -31,6 +31,7 @@ class Param:
     numel: int  # elements on this rank
     trainable: bool
     kind: str  # embedding | norm | linear | output | lora
+    layer: int = -1  # global transformer layer index (-1 outside the layers)
 
 
 def padded_vocab(vocab_size: int, tp: int, multiple: int = 128) -> int:
@@ -106,21 +107,30 @@ def lora_params(
 
 
 def layer_params(cfg: DictConfig, layer: int, tp: int) -> list[Param]:
+    return _renamed(_layer_template(cfg, tp), layer)
+
+
+def _layer_template(cfg: DictConfig, tp: int) -> list[tuple[str, int, bool, str]]:
+    """(suffix, elements, trainable, kind) of one layer's parameters in registration order."""
     m = cfg.model
     h = m.hidden_size
     full = cfg.peft.name == "none"
     plan = lora_plan(cfg)
     shapes = linear_shapes(m, tp)
-    pre = f"layers.{layer}."
-    out = [Param(pre + "input_layernorm", h, full, "norm")]
+    out = [("input_layernorm", h, full, "norm")]
     for name in LINEARS:
         if name == "linear_fc1":
-            out.append(Param(pre + "pre_mlp_layernorm", h, full, "norm"))
+            out.append(("pre_mlp_layernorm", h, full, "norm"))
         o, i = shapes[name]
-        out.append(Param(pre + name, o * i, full, "linear"))
+        out.append((name, o * i, full, "linear"))
         for pname, n in lora_params(m, name, plan.get(name, {}), cfg.peft.r, tp):
-            out.append(Param(f"{pre}{name}.{pname}", n, True, "lora"))
+            out.append((f"{name}.{pname}", n, True, "lora"))
     return out
+
+
+def _renamed(template, layer: int) -> list[Param]:
+    pre = f"layers.{layer}."
+    return [Param(pre + n, k, t, kind, layer) for n, k, t, kind in template]
 
 
 def chunk_params(cfg: DictConfig, pp_rank: int, vp_stage: int) -> list[Param]:
@@ -136,8 +146,9 @@ def chunk_params(cfg: DictConfig, pp_rank: int, vp_stage: int) -> list[Param]:
     if first:
         out.append(Param("embedding", v, full, "embedding"))
     start = split.offsets[pp_rank][vp_stage]
+    template = _layer_template(cfg, tp)
     for layer in range(start, start + split[pp_rank][vp_stage]):
-        out += layer_params(cfg, layer, tp)
+        out += _renamed(template, layer)
     if last:
         out.append(Param("final_layernorm", m.hidden_size, full, "norm"))
         if not m.tie_embeddings or pp > 1:

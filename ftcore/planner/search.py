@@ -8,28 +8,23 @@ the interleaved schedule gets a multiple of pp micro-batches.
 
 from __future__ import annotations
 
-import copy
-
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
 from ftcore.planner.layers import split_layers
 from ftcore.planner.memory import GiB, all_stages
 from ftcore.planner.throughput import throughput
+from ftcore.planner.view import PlanView, replace, view
 
 POW2 = (1, 2, 4, 8, 16, 32, 64)
 
 
-def _with(cfg: DictConfig, **parallel) -> DictConfig:
-    new = copy.deepcopy(cfg)
-    OmegaConf.set_struct(new, False)
-    mb = parallel.pop("micro_batch_size", None)
-    for k, v in parallel.items():
-        new.parallel[k] = v
-    if mb is not None:
-        new.train.micro_batch_size = mb
-    new.parallel.sp = new.parallel.tp > 1
-    return new
+def _with(cfg, **lay) -> PlanView:
+    lay = dict(lay)
+    mbs = lay.pop("micro_batch_size", None)
+    lay["sp"] = lay.get("tp", cfg.parallel.tp) > 1
+    train = {"micro_batch_size": mbs} if mbs is not None else {}
+    return replace(cfg, parallel=lay, train=train)
 
 
 def _tp_options(cfg: DictConfig) -> list[int]:
@@ -88,6 +83,7 @@ def fits(cfg: DictConfig, world: int) -> tuple[bool, float]:
 
 def search(cfg: DictConfig, world: int, top: int = 10) -> list[dict]:
     """Layouts that fit on `world` GPUs, fastest first."""
+    cfg = view(cfg)
     rows = []
     for lay in layouts(cfg, world):
         c = _with(cfg, **lay)
@@ -111,13 +107,13 @@ def search(cfg: DictConfig, world: int, top: int = 10) -> list[dict]:
 def smallest_fit(cfg: DictConfig, max_gpus: int = 4096) -> int | None:
     """Fewest GPUs (a power of two, or whole nodes beyond one node) on which some layout fits,
     keeping the config's precision, PEFT, sequence and batch sizes."""
+    cfg = view(cfg)
     per_node = max(cfg.cluster.gpus_per_node, 1)
     counts = [n for n in POW2 if n < per_node] + [
         per_node * k for k in POW2 if per_node * k <= max_gpus
     ]
-    keep_dp = copy.deepcopy(cfg)
     for n in counts:
-        for lay in layouts(keep_dp, n):
+        for lay in layouts(cfg, n):
             if lay["recompute"] != "full" or lay["micro_batch_size"] != 1:
                 continue  # the most frugal settings decide whether n GPUs can hold it
             if fits(_with(cfg, **lay), n)[0]:

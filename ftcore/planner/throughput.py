@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from ftcore.planner import activations as act
 from ftcore.planner.flops import micro_batch_work, model_flops_per_token
 from ftcore.planner.memory import GRAD_REDUCE_IN_FP32, model_state
+from ftcore.planner.view import view
 
 LINK_EFFICIENCY = 0.8  # achievable fraction of a link's bandwidth in NCCL collectives
 HBM_EFFICIENCY = 0.7  # achievable fraction of HBM bandwidth for elementwise kernels
@@ -145,6 +146,7 @@ def step_time(cfg: DictConfig, world: int) -> StepTime:
 
 
 def throughput(cfg: DictConfig, world: int) -> dict:
+    cfg = view(cfg)
     st = step_time(cfg, world)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     tps = tokens / st.total / world
