@@ -205,6 +205,9 @@ def test_container_flags_are_off_by_default_and_optional(tmp_path):
 def test_bench_script_runs_the_bench_once(tmp_path):
     srun, _ = render(SLURM / "bench.sh", 1, 8, tmp_path)
     assert "--ntasks=1" in srun and "-m ftcore.bench +bench=" in srun
+    default = re.search(r"\+bench=(\S+)", srun).group(1)
+    if (conf_dir() / "bench").exists() and len(list((conf_dir() / "bench").glob("*.yaml"))) > 1:
+        assert (conf_dir() / "bench" / f"{default}.yaml").exists(), f"bench.sh's default {default}"
 
 
 # ---- ftcore.launch.slurm_env -------------------------------------------------------------------
