@@ -123,12 +123,14 @@ def save(state, *, blocking: bool = False) -> Path:
         tmp.mkdir(parents=True)
     _barrier()
     sd = resume.sharded_state_dict(state, is_loading=False)
-    _in_process_results_queue()
+    background = _use_async(state)
+    if not background:
+        _in_process_results_queue()
     with cpu.device_mode():
         request = dist_checkpointing.save(sd, str(tmp), async_sharded_save=True)
     step = state.step
     request.add_finalize_fn(lambda: _publish(state, tmp, final, sd, step, t0))
-    if not _use_async(state):
+    if not background:
         with cpu.device_mode():
             _write_in_process(request)
         return final

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from ftcore import checkpoint, resume
 from ftcore.errors import FtcoreError
-from tests.dist.ckpt_cases import build_resumed, local_tensors, train
+from tests.dist.ckpt_cases import build_resumed, latest, local_tensors, train
 
 
 def roundtrip(overrides: list[str], run_dir: str) -> dict:
@@ -137,3 +137,50 @@ def test_missing_manifest_is_refused(pool2, tmp_path):
     os.remove(tmp_path / "checkpoints" / "step_1" / "manifest.json")
     for m in pool2.run(load_case, str(tmp_path)):
         assert "manifest.json is missing" in m, m
+
+
+def async_case(run_dir: str) -> dict:
+    """The GPU path (background write, publish at a later step boundary) forced on CPU: megatron's
+    forked writer with a fork-context results queue, in a worker allowed to fork."""
+    import multiprocessing as mp
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    proc = mp.current_process()
+    daemon, queue_before, use_async = (
+        proc._config.get("daemon"),
+        filesystem_async._results_queue,
+        checkpoint._use_async,
+    )
+    proc._config["daemon"] = False
+    filesystem_async._results_queue = mp.get_context("fork").Queue()
+    checkpoint._use_async = lambda state: True
+    try:
+        state = build_resumed(["parallel.tp=2"], run_dir)
+        train(state, 1)
+        checkpoint.save(state)
+        pending = checkpoint.exists(state, 1)
+        train(state, 1)
+        checkpoint.poll(state)
+        checkpoint.save(state, blocking=True)  # publishes step_1 first, then step_2
+        published = latest(Path(run_dir))
+        before = local_tensors(state)
+    finally:
+        proc._config["daemon"] = daemon
+        filesystem_async._results_queue = queue_before
+        checkpoint._use_async = use_async
+    state2 = build_resumed(["parallel.tp=2"], run_dir)
+    after = local_tensors(state2)
+    return {"pending": pending, "published": published, "step": state2.step,
+            "same": all(torch.equal(before[k], after[k]) for k in before)}  # fmt: skip
+
+
+@pytest.mark.dist
+def test_async_save_publishes_in_order(pool2, tmp_path):
+    for r in pool2.run(async_case, str(tmp_path)):
+        assert r == {"pending": True, "published": "step_2", "step": 2, "same": True}, r
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "latest",
+        "step_1",
+        "step_2",
+    ]
