@@ -59,6 +59,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_threads(local_world: int) -> int:
+    """Torch threads per rank: OMP_NUM_THREADS when a launcher set it, else this process's CPUs
+    (its affinity, not the machine's count) shared among the ranks of this node."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, len(os.sched_getaffinity(0)) // max(1, local_world))
+
+
 def launch_local_workers(module: str, argv: list[str], nproc: int) -> int:
     """Start `python -m module argv` as `nproc` ranks via torch's elastic launch; return the exit status.
 
@@ -78,7 +86,7 @@ def launch_local_workers(module: str, argv: list[str], nproc: int) -> int:
         max_restarts=0,
         monitor_interval=0.2,
     )
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads(nproc)))
     try:
         elastic_launch(config, entrypoint=sys.executable)("-u", "-m", module, *argv)
         return 0
@@ -106,7 +114,7 @@ def init_distributed(cfg: DictConfig) -> DistInfo:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        threads = cfg.launcher.threads_per_rank or max(1, (os.cpu_count() or 1) // local_world)
+        threads = cfg.launcher.threads_per_rank or cpu_threads(local_world)
         torch.set_num_threads(threads)
     if not dist.is_initialized():
         dist.init_process_group(
