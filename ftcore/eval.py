@@ -9,6 +9,7 @@ out of the loss (ftcore.step), so the number is the model's own.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -75,7 +76,7 @@ def task(cfg: DictConfig) -> int | None:
 
     if not dist.under_launcher() and cfg.launcher.nproc_per_node > 1:
         # Check the config once here (exit 2 before any worker starts), fix run.dir for all ranks.
-        checked = cfg.copy()
+        checked = copy.deepcopy(cfg)
         if checked.model.hf_path:
             from ftcore.hf.config import merge_hf_config
 

@@ -50,12 +50,16 @@ def _check(results, tiny, what):
         assert got.shape == tiny["logits"].shape
         rel = _rel(got, tiny["logits"])
         assert rel <= RTOL, f"{what}: logits differ from HF by {rel:.2e} (relative) > {RTOL}"
+        print(f"{what}: logits max error / max |logit| = {rel:.1e}")
     ev = results[0]["eval"]
     assert ev["tokens"] == tiny["loss"]["tokens"], (
         f"{what}: {ev['tokens']} target tokens, HF has {tiny['loss']['tokens']}"
     )
     rel = abs(ev["loss"] - tiny["loss"]["loss"]) / tiny["loss"]["loss"]
     assert rel <= RTOL, f"{what}: eval loss {ev['loss']} vs HF {tiny['loss']['loss']} ({rel:.2e})"
+    print(
+        f"{what}: eval loss {ev['loss']:.8f} vs HF {tiny['loss']['loss']:.8f} (relative {rel:.1e})"
+    )
     assert abs(ev["ppl"] - torch.tensor(ev["loss"]).exp().item()) < 1e-6 * ev["ppl"]
 
 
@@ -99,4 +103,8 @@ def test_tp2_pp2_and_round_trip(pool4, tiny, tmp_path):
     back = LlamaForCausalLM.from_pretrained(str(out)).eval()
     with torch.no_grad():
         torch.testing.assert_close(back(input_ids=tiny["x"]).logits, tiny["logits"], rtol=0, atol=0)
-    assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+    from transformers import AutoTokenizer
+
+    tok, src = AutoTokenizer.from_pretrained(str(out)), AutoTokenizer.from_pretrained(tiny["path"])
+    assert tok.chat_template == src.chat_template and tok.get_vocab() == src.get_vocab()
+    assert tok.eos_token == src.eos_token
