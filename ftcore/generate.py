@@ -76,9 +76,11 @@ def _share(ids: torch.Tensor, chooser: bool) -> torch.Tensor:
 
 @torch.no_grad()
 def generate_ids(state, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
-                 top_k: int = 0, stop: set[int] = frozenset(), pad_id: int = 0, seed: int = 0) -> list[list[int]]:  # fmt: skip
+                 top_k: int = 0, stop: set[int] = frozenset(), pad_id: int = 0, seed: int = 0,
+                 keep=None) -> list[list[int]]:  # fmt: skip
     """New token ids for each prompt (stop token excluded). Every rank calls this with the same
-    prompts and gets the same answers."""
+    prompts and gets the same answers. `keep(i, ids)` False ends row i early (exact match: the
+    answer can no longer match)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from ftcore.runtime import cpu
@@ -103,32 +105,33 @@ def generate_ids(state, prompts: list[list[int]], *, max_new_tokens: int, temper
     for chunk in state.model:
         chunk.eval()
     for t in range(max_new_tokens):
-        cur = lengths + t  # positions to fill; the logits come from the one before
+        active = (~done).nonzero().flatten()  # finished rows leave the batch
+        if not len(active):
+            break
+        cur = lengths[active] + t  # positions to fill; the logits come from the one before
         width = -(-int(cur.max()) // multiple) * multiple
         step = partial(_next_token_step, cur - 1, vocab)
         with cpu.device_mode():
             res = get_forward_backward_func()(
-                forward_step_func=step, data_iterator=microbatch_iterators([tokens[:, :width]], len(state.model)),
+                forward_step_func=step, data_iterator=microbatch_iterators([tokens[active, :width]], len(state.model)),
                 model=state.model if len(state.model) > 1 else state.model[0], num_microbatches=1,
-                seq_length=width, micro_batch_size=len(prompts), forward_only=True,
+                seq_length=width, micro_batch_size=len(active), forward_only=True,
             )  # fmt: skip
         picked = (
             _choose(res[0]["logits"], temperature, top_k, gen)
             if chooser
-            else torch.zeros(len(prompts))
+            else torch.zeros(len(active))
         )
         picked = _share(picked, chooser)
-        for i in range(len(prompts)):
-            if done[i]:
-                continue
-            tok = int(picked[i])
+        for j, i in enumerate(active.tolist()):
+            tok = int(picked[j])
             if tok in stop:
                 done[i] = True
                 continue
             out[i].append(tok)
-            tokens[i, cur[i]] = tok
-        if bool(done.all()):
-            break
+            tokens[i, cur[j]] = tok
+            if keep is not None and not keep(i, out[i]):
+                done[i] = True
     for chunk in state.model:
         chunk.train()
     return out
@@ -141,7 +144,8 @@ def normalise(text: str) -> str:
 def exact_match(state, path: str | None = None, *, max_samples: int | None = None,
                 max_new_tokens: int = 32, batch: int = 64) -> dict:  # fmt: skip
     """Greedy answers to the held-out instruction prompts vs their reference answers
-    (whitespace-normalised exact match). Every rank calls it."""
+    (whitespace-normalised exact match). Every rank calls it. A row stops as soon as its text can
+    no longer match, or 2 tokens past the longest reference: the score is the same, the work less."""
     from ftcore.data.pipeline import load_prompts
 
     cfg, tok = state.cfg, state.tokenizer
@@ -158,9 +162,16 @@ def exact_match(state, path: str | None = None, *, max_samples: int | None = Non
     samples = []
     for i in range(0, len(pairs), batch):
         part = pairs[i : i + batch]
-        answers = generate_ids(
-            state, [p for p, _ in part], max_new_tokens=max_new_tokens, stop=stop, pad_id=pad
-        )
+        wants = [normalise(w) for _, w in part]
+
+        def keep(
+            j, ids, wants=wants
+        ):  # normalise(a + b) starts with normalise(a): a miss stays a miss
+            return wants[j].startswith(normalise(tok.decode(ids, skip_special_tokens=True)))
+
+        budget = max(len(tok(w, add_special_tokens=False)["input_ids"]) for w in wants) + 2
+        answers = generate_ids(state, [p for p, _ in part], max_new_tokens=min(budget, max_new_tokens),
+                               stop=stop, pad_id=pad, keep=keep)  # fmt: skip
         for (_, want), ids in zip(part, answers):
             got = tok.decode(ids, skip_special_tokens=True)
             correct += normalise(got) == normalise(want)
