@@ -1,0 +1,181 @@
+"""The planner's contracts: CLI and JSON, the fit check, exp files, parameter counts, memory rules."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ftcore import planner
+from ftcore.config import compose
+from ftcore.errors import FtcoreError
+from ftcore.planner import memory, params
+from ftcore.planner.memory import GiB
+from ftcore.planner.search import search
+
+BIG = ["8b_lora", "70b_lora", "70b_fp8", "70b_full", "405b_lora", "405b_full"]
+KEYS = {"memory_gib", "stages", "fits", "num_gpus", "gpus_needed", "tokens_per_s_per_gpu",
+        "model_tflops_per_gpu", "mfu"}  # fmt: skip
+
+
+def plan_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ftcore.plan", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_json_is_one_object_with_the_design_keys():
+    r = plan_cli("+exp=70b_fp8", "plan.format=json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)  # exactly one JSON object on stdout
+    assert KEYS <= set(out)
+    assert set(out["memory_gib"]) >= {"weights", "grads", "optimizer", "activations", "total"}
+    assert len(out["stages"]) == 4 and out["num_gpus"] == 8 and out["fits"] is True
+    worst = max(s["memory_gib"]["total"] for s in out["stages"])
+    assert out["memory_gib"]["total"] == pytest.approx(worst)
+
+
+def test_exit_0_when_it_does_not_fit_and_2_on_config_errors():
+    r = plan_cli("+exp=70b_full", "cluster=h100", "plan.format=json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["fits"] is False
+    assert plan_cli("+exp=70b_full", "parallel.pp=3").returncode == 2  # 80 layers over 3 stages
+    assert plan_cli("+exp=70b_full", "no_such.key=1").returncode == 2
+
+
+def test_table_names_every_term():
+    r = plan_cli("+exp=405b_lora")
+    assert r.returncode == 0, r.stderr
+    for word in (
+        "weights",
+        "grads",
+        "optimizer",
+        "activations",
+        "reserve",
+        "fits: yes",
+        "tokens/s/GPU",
+    ):
+        assert word in r.stdout
+
+
+@pytest.mark.parametrize("exp", BIG)
+def test_big_experiments_fit_their_cluster(exp):
+    cfg = compose([f"+exp={exp}"])
+    assert cfg.cluster.device == "cuda" and cfg.cluster.num_gpus
+    planner.check_fit(cfg, cfg.cluster.num_gpus)
+    p = planner.plan(cfg)
+    assert p["fits"] and p["gpus_needed"] <= cfg.cluster.num_gpus
+
+
+def test_check_fit_names_stage_total_and_largest_term():
+    cfg = compose(["+exp=70b_full", "cluster=h100"])
+    with pytest.raises(FtcoreError) as e:
+        planner.check_fit(cfg, 8)
+    msg = str(e.value)
+    assert "pipeline stage 0" in msg and "GiB" in msg and "largest term: optimizer" in msg
+    planner.check_fit(compose(["+exp=70b_full", "cluster=h100", "plan.enforce=false"]), 8)
+
+
+@pytest.mark.parametrize(
+    "model,billions",
+    [("llama2_7b", 6.738), ("llama3_8b", 8.030), ("llama3_70b", 70.554), ("llama31_405b", 405.853)],
+)
+def test_parameter_counts_match_the_published_models(model, billions):
+    assert params.total_params(compose([f"model={model}"])) / 1e9 == pytest.approx(
+        billions, abs=1e-3
+    )
+
+
+def test_distributed_optimizer_shards_the_optimizer_over_dp():
+    base = ["+exp=70b_full", "parallel.tp=8", "parallel.pp=1"]
+    one = memory.model_state(compose(base), 0, 1)
+    four = memory.model_state(compose(base), 0, 4)
+    assert four["optimizer"] == pytest.approx(one["optimizer"] / 4, rel=1e-4)
+    assert four["grads"] == pytest.approx(one["grads"], rel=1e-6)
+    plain = memory.model_state(compose([*base, "parallel.distributed_optimizer=false"]), 0, 4)
+    assert plain["optimizer"] == pytest.approx(one["optimizer"], rel=1e-6)
+    # bf16 weights + fp32 grads + fp32 main params + two fp32 moments: 18 bytes per parameter
+    assert (one["weights"] + one["grads"] + one["optimizer"]) / one["elements"] == pytest.approx(
+        18, rel=1e-3
+    )
+
+
+def test_lora_base_has_no_grads_or_optimizer_state():
+    s = memory.model_state(compose(["+exp=70b_lora"]), 0, 1)
+    assert s["grads"] < 0.01 * s["weights"] and s["frozen"] > 0.99 * s["weights"]
+
+
+def test_fp8_base_storage_and_qlora_shrink_the_weights():
+    bf16 = memory.model_state(compose(["+exp=405b_lora", "precision=bf16"]), 0, 1)["weights"]
+    fp8 = memory.model_state(compose(["+exp=405b_lora"]), 0, 1)["weights"]
+    cached = memory.model_state(
+        compose(["+exp=405b_lora", "precision.fp8_param_gather=false"]), 0, 1
+    )["weights"]
+    nf4 = memory.model_state(compose(["+exp=405b_lora", "peft=qlora", "precision=bf16"]), 0, 1)[
+        "weights"
+    ]
+    assert nf4 < fp8 < bf16 < cached  # NF4 < FP8 storage < BF16 < BF16 + TE's FP8 copy
+    hopper = memory.model_state(
+        compose(["+exp=405b_lora", "cluster=h200", "cluster.num_gpus=8"]), 0, 1
+    )
+    assert hopper["weights"] > fp8  # Hopper keeps a transposed FP8 copy for the backward GEMM
+
+
+def test_uneven_split_puts_embedding_and_loss_on_lighter_stages():
+    cfg = compose(["+exp=405b_full"])
+    stages = memory.all_stages(cfg, 128)
+    layers = [s.layers for s in stages]
+    assert sum(layers) == 126 and layers[0] == layers[-1] == 7 and set(layers[1:-1]) == {8}
+
+
+def test_recompute_and_sequence_parallel_cut_activations():
+    base = ["+exp=70b_lora"]
+    act = {
+        rc: memory.stage_memory(compose([*base, f"parallel.recompute={rc}"]), 8, 0).parts[
+            "saved_activations"
+        ]
+        for rc in ("none", "selective", "full")
+    }
+    assert act["full"] < act["selective"] < act["none"]
+    no_sp = memory.stage_memory(compose([*base, "parallel.sp=false"]), 8, 0).parts[
+        "saved_activations"
+    ]
+    assert no_sp > act["none"]
+
+
+def test_search_ranks_only_layouts_that_fit():
+    cfg = compose(["+exp=70b_fp8"])
+    ranked = search(cfg, 8, top=5)
+    assert ranked and all(r["memory_gib"] <= cfg.cluster.gpu_mem_gib for r in ranked)
+    speeds = [r["tokens_per_s_per_gpu"] for r in ranked]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_lora_plan_agrees_with_the_peft_module():
+    from ftcore.peft.lora import plan_targets
+
+    for targets in (
+        ["linear_qkv"],
+        ["q_proj", "v_proj", "down_proj"],
+        ["linear_fc1", "o_proj", "k_proj"],
+    ):
+        cfg = compose(["+exp=tiny_full", "peft=lora", f"peft.target_modules=[{','.join(targets)}]"])
+        assert params.lora_plan(cfg) == plan_targets(targets)
+
+
+def test_seed_claim_70b_on_one_192gb_gpu():
+    """'One 192 GB GPU holds a 70B model': its weights yes (BF16), weights+grads+Adam no."""
+    cfg = compose(
+        [
+            "+exp=70b_full",
+            "parallel.tp=1",
+            "parallel.pp=1",
+            "parallel.sp=false",
+            "cluster.num_gpus=1",
+        ]
+    )
+    s = memory.model_state(cfg, 0, 1)
+    assert s["weights"] < 192e9 < s["weights"] + s["grads"] + s["optimizer"]
+    assert (s["weights"] + s["grads"] + s["optimizer"]) / GiB > 1000

@@ -1,0 +1,93 @@
+"""Throughput: every published row of shared/anchors/published_throughput.csv within 15%, with one
+set of per-GPU constants, each row written as overrides on +exp=70b_lora (LoRA) or +exp=70b_full."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from ftcore.config import compose
+from ftcore.planner import flops
+from ftcore.planner.throughput import throughput
+
+ANCHORS = Path(__file__).resolve().parents[3] / "shared" / "anchors" / "published_throughput.csv"
+PRECISION = {"fp8": "fp8_delayed", "fp8_cs": "fp8_cs", "bf16": "bf16"}
+
+
+def rows() -> list[dict]:
+    if not ANCHORS.exists():
+        return []
+    with open(ANCHORS) as f:
+        return list(csv.DictReader(line for line in f if not line.startswith("#")))
+
+
+def overrides(r: dict) -> tuple[str, list[str]]:
+    """(exp, overrides) reproducing one published row."""
+    lora = r["task"] == "lora"
+    ov = [
+        f"model={r['model']}",
+        f"peft={'lora' if lora else 'none'}",
+        f"precision={PRECISION[r['precision']]}",
+        f"cluster={r['gpu'].lower()}",
+        f"cluster.num_gpus={r['num_gpus']}",
+        f"parallel.tp={r['tp']}",
+        f"parallel.pp={r['pp']}",
+        f"parallel.vp={r['vp']}",
+        f"parallel.cp={r['cp']}",
+        f"parallel.sp={str(int(r['tp']) > 1).lower()}",
+        "parallel.recompute=none",
+        f"data.seq_len={r['seq_len']}",
+        f"train.global_batch_size={r['gbs']}",
+        f"train.micro_batch_size={r['mbs']}",
+    ]
+    if lora:
+        ov.append("peft.target_modules=[linear_qkv]")
+    return ("70b_lora" if lora else "70b_full"), ov
+
+
+def row_id(r: dict) -> str:
+    return f"{r['model']}-{r['task']}-{r['num_gpus']}x{r['gpu']}"
+
+
+ROWS = rows()
+
+
+def predicted(r: dict, exp: str | None = None) -> dict:
+    default_exp, ov = overrides(r)
+    cfg = compose([f"+exp={exp or default_exp}", *ov])
+    return throughput(cfg, int(r["num_gpus"]))
+
+
+@pytest.mark.skipif(not ROWS, reason="shared/anchors/published_throughput.csv not present")
+@pytest.mark.parametrize("row", ROWS, ids=row_id)
+def test_published_row_within_15_percent(row):
+    pred = predicted(row)["tokens_per_s_per_gpu"]
+    pub = float(row["tokens_per_s_per_gpu"])
+    assert abs(pred - pub) <= 0.15 * pub, (row_id(row), pred, pub)
+
+
+@pytest.mark.skipif(not ROWS, reason="shared/anchors/published_throughput.csv not present")
+@pytest.mark.parametrize("row", ROWS, ids=row_id)
+def test_model_flops_follow_the_published_convention(row):
+    """Published model TFLOP/s / tokens/s = our model FLOPs per token (6N'+attention, or 4N')."""
+    _, ov = overrides(row)
+    cfg = compose(["+exp=70b_full", *ov])
+    published = float(row["model_tflops_per_gpu"]) * 1e12 / float(row["tokens_per_s_per_gpu"])
+    assert flops.model_flops_per_token(cfg) == pytest.approx(published, rel=0.015)
+
+
+@pytest.mark.skipif(not ROWS, reason="shared/anchors/published_throughput.csv not present")
+@pytest.mark.parametrize("row", ROWS, ids=row_id)
+def test_plan_depends_only_on_the_overrides(row):
+    """The same overrides on either exp file give the same prediction."""
+    a, b = predicted(row, "70b_lora"), predicted(row, "70b_full")
+    assert a["tokens_per_s_per_gpu"] == pytest.approx(b["tokens_per_s_per_gpu"], rel=1e-12)
+
+
+def test_more_gpus_per_pipeline_means_less_bubble():
+    base = ["+exp=70b_fp8"]
+    small = throughput(compose([*base, "train.global_batch_size=8"]), 8)["time"]
+    big = throughput(compose([*base, "train.global_batch_size=64"]), 8)["time"]
+    assert small.bubble_s / small.compute_s > big.bubble_s / big.compute_s
