@@ -105,3 +105,30 @@ def test_adapter_checkpoint_tp2_reloads_at_tp1(pool1, pool2, tmp_path):
     for k, w in want.items():
         assert torch.equal(loaded["weights"][k], w), f"{k} differs after TP=2 -> TP=1 reload"
     assert any(w[w.shape[0] // 2 :].abs().sum() > 0 for k, w in want.items() if ".lora_B." in k)
+
+
+def _replicas_after_dropout(overrides: list[str], run_dir: str) -> dict:
+    from ftcore import trainer
+    from ftcore.models.sharding import iter_params
+
+    state = build(overrides, run_dir)
+    losses = [trainer.train_step(state)["loss"] for _ in range(2)]
+    reps = {
+        n: p.detach().clone()
+        for n, p in iter_params(state.model)
+        if p.requires_grad and not p.tensor_model_parallel
+    }
+    return {"loss": losses, "replicated": reps}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
+def test_dropout_keeps_tp_replicas_identical(sp, pool2, tmp_path):
+    """With lora_dropout the masks differ per TP rank only where the input does (SP chunks, sharded
+    row inputs), so the replicated adapter halves stay identical on every TP rank."""
+    over = LORA + [ALL7, "peft.lora_dropout=0.2", "parallel.tp=2", f"parallel.sp={str(sp).lower()}"]
+    a, b = pool2.run(_replicas_after_dropout, over, str(tmp_path))
+    assert all(torch.isfinite(torch.tensor(a["loss"])))
+    assert a["replicated"].keys() == b["replicated"].keys() and a["replicated"]
+    for k, w in a["replicated"].items():
+        assert torch.equal(w, b["replicated"][k]), f"{k} differs across TP ranks"
