@@ -1,8 +1,8 @@
 """`python -m ftcore.eval +exp=NAME [model.hf_path=DIR] [peft.adapter_path=DIR] data.path=FILE
 [data.format=text] [eval.output=FILE]`: token-weighted mean next-token cross entropy over a dataset.
 
-Writes `{"loss", "tokens", "ppl"}` (tokens = target tokens) to eval.output (default
-`<run.dir>/eval.json`). Runs under any layout (TP/PP/DP) and launches exactly as train does: under
+Writes `{"loss", "tokens", "ppl"}` (tokens = target tokens), plus `accuracy` (greedy exact match,
+ftcore.generate) with `eval.accuracy=true`, to eval.output (default `<run.dir>/eval.json`). Runs under any layout (TP/PP/DP) and launches exactly as train does: under
 torchrun/srun, or alone with `launcher.nproc_per_node` local workers. Padded vocab entries are masked
 out of the loss (ftcore.step), so the number is the model's own.
 """
@@ -33,9 +33,6 @@ def evaluate(cfg: DictConfig, state=None) -> dict:
     from ftcore import trainer
     from ftcore.data.pipeline import build_val_batches
 
-    if cfg.eval.accuracy:
-        raise FtcoreError("exact-match accuracy is not implemented in ftcore.eval yet", field="eval.accuracy",
-                          fix="drop eval.accuracy=true")  # fmt: skip
     state = state or trainer.setup(cfg, data=False)
     batches = build_val_batches(state.cfg, state.tokenizer, ps.get_data_parallel_rank(), state.dp,
                                 path=state.cfg.data.path or None)  # fmt: skip
@@ -54,6 +51,11 @@ def evaluate(cfg: DictConfig, state=None) -> dict:
         raise FtcoreError("the evaluation data has no target tokens", field="data.path")
     loss = total / tokens
     result = {"loss": loss, "tokens": int(tokens), "ppl": math.exp(min(loss, 700.0))}
+    if cfg.eval.accuracy:  # greedy exact match on the same (instruction/chat) data
+        from ftcore.generate import exact_match
+
+        acc = exact_match(state, state.cfg.data.path or None, max_samples=cfg.eval.max_samples)
+        result["accuracy"] = acc["accuracy"]
     if state.info.rank == 0:
         out = Path(cfg.eval.output) if cfg.eval.output else state.run_dir / "eval.json"
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -227,3 +227,10 @@ def read_hf_dir(path) -> dict[str, torch.Tensor]:
         with safe_open(str(f), framework="pt") as st:
             out.update({k: st.get_tensor(k) for k in st.keys()})
     return out
+
+
+def eval_case(hf_dir: str, run_dir: str, overrides: list[str]) -> dict:
+    """Worker: ftcore.eval's evaluate() on a run built from the HF directory."""
+    from ftcore.eval import evaluate
+
+    return evaluate(compose_hf(hf_dir, run_dir, overrides))

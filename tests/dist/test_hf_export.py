@@ -16,6 +16,7 @@ import torch
 from tests.dist.hf_helpers import (
     VOCAB,
     cli_status,
+    eval_case,
     hf_model,
     hf_text_loss,
     make_tiny_hf,
@@ -140,3 +141,12 @@ def test_bad_shards_exit_2_naming_file_and_tensor(pool2, plain, tmp_path, how):
     ):  # both stages, not just the owner
         assert status == 2, err
         assert name in err and any(t in err for t in tensors) and "Traceback" not in err, err
+
+
+@pytest.mark.dist
+def test_eval_accuracy_on_instruction_data(pool1, plain, tmp_path):
+    """eval.accuracy=true adds greedy exact-match accuracy (ftcore.generate) to the loss."""
+    (got,) = pool1.run(eval_case, str(plain["path"]), str(tmp_path),
+                       ["data.format=instruction", "eval.accuracy=true", "eval.max_samples=4", "data.seq_len=64"])  # fmt: skip
+    assert set(got) == {"loss", "tokens", "ppl", "accuracy"} and 0.0 <= got["accuracy"] <= 1.0
+    assert json.loads((tmp_path / "eval.json").read_text()) == got
