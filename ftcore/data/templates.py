@@ -127,9 +127,8 @@ class Renderer:
             )
         self.tok, self.fmt, self.train_on_prompt = tokenizer, fmt, train_on_prompt
         self.template = resolve_template(tokenizer, template) if fmt != "text" else None
-        vocab = tokenizer.get_vocab()
-        eos = "<|end_of_text|>" if "<|end_of_text|>" in vocab else tokenizer.eos_token
-        self.text_eos = vocab.get(eos) if eos else None
+        # text format: tokenizer(text)["input_ids"] + [eos_token_id], as the eval contract pins it
+        self.text_eos = tokenizer.eos_token_id
 
     def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
         try:

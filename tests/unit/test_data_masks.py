@@ -178,7 +178,7 @@ def test_generation_markers_do_not_matter(tok):
 def test_text_format_every_token_a_target(tok):
     doc = Renderer(tok, "text", None).doc({"text": "cat dog bird"})
     assert doc.ids[0] == tok.bos_token_id
-    assert doc.ids[-1] == tok.convert_tokens_to_ids("<|end_of_text|>")
+    assert doc.ids[-1] == tok.eos_token_id  # tokenizer(text)["input_ids"] + [eos_token_id]
     assert doc.targets.all()
 
 
