@@ -76,7 +76,7 @@ def load_rows(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
     loader = build_train_loader(cfg, tokenizer, 0, 1)
     val_path = cfg.data.val_path or bundled_data("val")
     val = tokenize_source(val_path, tokenizer, cfg.data, None, "data.val_path")
-    val_docs = [val.doc(i) for i in range(len(val))]
+    val_docs = [val.doc(i) for i in range(len(val))][: cfg.eval.get("max_samples") or None]
     return _rows(loader.docs.docs, cfg.data.seq_len), _rows(val_docs, cfg.data.seq_len)
 
 

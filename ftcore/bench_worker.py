@@ -114,38 +114,16 @@ def eval_loss(state) -> tuple[float, int]:
 
 
 def measure(state, spec: dict) -> dict:
-    from ftcore import metrics, trainer
+    from ftcore import metrics
 
     cfg = state.cfg
     timers = Timers()
     instrument(state, timers)
     loader = state.loader
     if spec.get("epoch"):
-        rows = loader.report["rows"]
-        warmup, steps = 0, math.ceil(rows / cfg.train.global_batch_size)
+        records, wall = _epoch(state, timers)
     else:
-        warmup, steps = int(spec["warmup"]), int(spec["warmup"]) + int(spec["measure"])
-    records = []
-    t_start = time.perf_counter()
-    for i in range(steps):
-        t0 = time.perf_counter()
-        out = trainer.train_step(state)
-        dt = time.perf_counter() - t0
-        parts = timers.take()
-        state.step += 1
-        records.append(
-            {
-                "step": i + 1,
-                "warmup": i < warmup,
-                "loss": out["loss"],
-                "skipped": bool(out.get("skipped")),
-                "tokens": out.get("tokens", 0),
-                "target_tokens": out.get("target_tokens", 0),
-                "step_time_s": dt,
-                "parts": parts,
-            }
-        )
-    wall = time.perf_counter() - t_start
+        records, wall = _steps(state, timers, int(spec["warmup"]), int(spec["measure"]))
     result = {"steps": records, "wall_s": wall}
     # every rank's split (pipeline stages differ); rank 0 keeps them all
     all_parts = _gather([r["parts"] for r in records])
@@ -159,6 +137,54 @@ def measure(state, spec: dict) -> dict:
     result["flops_per_token"] = _flops_per_token(cfg)
     result["threads"] = __import__("torch").get_num_threads()
     return result
+
+
+def _steps(state, timers: Timers, warmup: int, measure: int) -> tuple[list[dict], float]:
+    """warmup + measure calls of trainer.train_step, each timed and split."""
+    from ftcore import trainer
+
+    records = []
+    t_start = time.perf_counter()
+    for i in range(warmup + measure):
+        t0 = time.perf_counter()
+        out = trainer.train_step(state)
+        dt = time.perf_counter() - t0
+        state.step += 1
+        records.append(
+            {
+                "step": i + 1,
+                "warmup": i < warmup,
+                "loss": out["loss"],
+                "skipped": bool(out.get("skipped")),
+                "tokens": out.get("tokens", 0),
+                "target_tokens": out.get("target_tokens", 0),
+                "step_time_s": dt,
+                "parts": timers.take(),
+            }
+        )
+    return records, time.perf_counter() - t_start
+
+
+def _epoch(state, timers: Timers) -> tuple[list[dict], float]:
+    """One epoch through trainer.fit, as users run it (metrics.jsonl, log lines); the steps'
+    times are metrics.jsonl's step_time_s, the split is the epoch's total, put on the last step."""
+    from ftcore import trainer
+
+    cfg = state.cfg
+    steps = math.ceil(state.loader.report["rows"] / cfg.train.global_batch_size)
+    cfg.train.max_steps = steps
+    trainer.fit(state)
+    records = []
+    if state.info.rank == 0:
+        for line in (state.run_dir / "metrics.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            if "loss" in r:
+                records.append({"step": r["step"], "warmup": False, "loss": r["loss"],
+                                "tokens": r["tokens"], "target_tokens": r["target_tokens"],
+                                "step_time_s": r["step_time_s"], "parts": {}})  # fmt: skip
+        if records:
+            records[-1]["parts"] = timers.take()
+    return records, sum(r["step_time_s"] for r in records)
 
 
 def _flops_per_token(cfg) -> float:
