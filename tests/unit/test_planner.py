@@ -179,3 +179,14 @@ def test_seed_claim_70b_on_one_192gb_gpu():
     s = memory.model_state(cfg, 0, 1)
     assert s["weights"] < 192e9 < s["weights"] + s["grads"] + s["optimizer"]
     assert (s["weights"] + s["grads"] + s["optimizer"]) / GiB > 1000
+
+
+def test_train_refuses_a_job_predicted_not_to_fit(tmp_path):
+    """ftcore.train runs the fit check before building anything: exit 2, one line, the stage."""
+    r = subprocess.run(
+        [sys.executable, "-m", "ftcore.train", "+exp=tiny_full", "cluster.gpu_mem_gib=0.3",
+         f"run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "predicted out of memory: pipeline stage 0" in r.stderr and "Traceback" not in r.stderr
