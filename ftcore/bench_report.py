@@ -110,8 +110,9 @@ def layouts_md(lines: list[dict]) -> list[str]:
 def cpu_vs_hf_md(lines: list[dict]) -> list[str]:
     hf = next((ln for ln in lines if ln.get("side") == "hf" and ln.get("status") == "ok"), None)
     out = [
-        "| side | run | steps | non-padding tokens | wall s | tokens/s | × HF | eval loss | Δ vs HF | peak GiB | threads |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| side | run | steps | non-padding tokens | wall s | tokens/s | × HF | eval loss | Δ vs HF "
+        "| peak GiB | threads | epoch split s: data / fwd+bwd / optimizer / other |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for ln in lines:
         if ln.get("status") != "ok":
@@ -125,7 +126,7 @@ def cpu_vs_hf_md(lines: list[dict]) -> list[str]:
             f"| {ln['side']} | {ln['label']} | {ln['steps']} | {ln['tokens']} | {_f(ln['wall_s'], '.1f')} "
             f"| {_f(ln['tokens_per_s'])} | {_f(ratio, '.2f')} | {_f(ln['eval_loss'], '.4f')} "
             f"| {_f(diff and 100 * diff, '+.1f')}{'%' if diff is not None else ''} "
-            f"| {_f(ln.get('peak_mem_gib'), '.2f')} | {ln.get('threads')} |"
+            f"| {_f(ln.get('peak_mem_gib'), '.2f')} | {ln.get('threads')} | {_epoch_split(ln)} |"
         )
     out += [
         "",
@@ -135,6 +136,16 @@ def cpu_vs_hf_md(lines: list[dict]) -> list[str]:
         "eval losses are within 5%.",
     ]
     return out
+
+
+def _epoch_split(ln: dict) -> str:
+    sp = ln.get("time_split_s")
+    if not sp:
+        return ""
+    comm = sum(sp.get(k, 0.0) for k in ("tp_comm", "grad_sync", "pp_p2p"))
+    return " / ".join(
+        _f(x, ".1f") for x in (sp["data"], sp["fwd_bwd"] + comm, sp["optimizer"], sp["other"])
+    )
 
 
 def plot(lines: list[dict], path: Path) -> None:

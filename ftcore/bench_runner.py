@@ -354,13 +354,14 @@ def run_cpu_vs_hf(b: Bench) -> None:
             continue
         tokens = sum(s["tokens"] for s in r["steps"])
         split = {p: sum(s["parts"].get(p, 0.0) for s in r["steps"]) for p in PARTS}
+        split["other"] = max(0.0, r["wall_s"] - sum(split.values()))  # logging, metrics, timers
         line.update(
             status="ok", steps=len(r["steps"]), tokens=tokens,
             target_tokens=sum(s["target_tokens"] for s in r["steps"]), wall_s=r["wall_s"],
             tokens_per_s=tokens / r["wall_s"], eval_loss=r["eval_loss"], eval_tokens=r["eval_tokens"],
             train_loss_last=r["steps"][-1]["loss"], peak_mem_gib=r["peak_mem_gib"],
             threads=r.get("threads"), time_split_s=split, packing_efficiency=r["data_report"]["packing_efficiency"],
-            layout=layout_of(ov),
+            layout=layout_of(ov), probes=r.get("probes", []),
         )  # fmt: skip
         if res is not None:
             line["ratio_vs_hf"] = line["tokens_per_s"] / res["tokens_per_s"]
