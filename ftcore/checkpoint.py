@@ -36,11 +36,11 @@ def ckpt_root(state) -> Path:
 
 
 def exists(state, step: int) -> bool:
-    """A published or pending (async, not yet published) checkpoint of `step`."""
+    """This run already holds a checkpoint of `step`: saved by it (published or still being
+    written in the background) or resumed from it. A directory left by an earlier run in the same
+    run.dir (checkpoint.resume=never) does not count: it is overwritten."""
     pending = state.extra.get("ckpt_pending")
-    if pending is not None and pending[0] == step:
-        return True
-    return (ckpt_root(state) / f"step_{step}" / ckpt_files.MANIFEST).is_file()
+    return (pending is not None and pending[0] == step) or state.extra.get("ckpt_published") == step
 
 
 def _write_in_process(request) -> None:
@@ -114,8 +114,8 @@ def save(state, *, blocking: bool = False) -> Path:
     wait(state)  # one save in flight at a time, published in order
     root = ckpt_root(state)
     final = root / f"step_{state.step}"
-    if (root / "latest").is_file() and (root / "latest").read_text().strip() == final.name:
-        return final  # already published (e.g. resumed at this step)
+    if exists(state, state.step):
+        return final  # this run saved or resumed this very step
     tmp = root / f"{ckpt_files.TMP_PREFIX}{state.step}"
     t0 = time.perf_counter()
     if _rank0(state):
@@ -160,6 +160,7 @@ def _publish(state, tmp: Path, final: Path, sd: dict, step: int, t0: float) -> N
         _apply_keep(state, step)
         log.info("saved checkpoint %s (%.1f s)", final, time.perf_counter() - t0)
     _barrier()
+    state.extra["ckpt_published"] = step
 
 
 def _config_yaml(state) -> str:
@@ -288,6 +289,8 @@ def maybe_resume(state) -> None:
         return
     t0 = time.perf_counter()
     notes = load(state, path)
+    if path.resolve() == (ckpt_root(state) / f"step_{state.step}").resolve():
+        state.extra["ckpt_published"] = state.step  # nothing new to save at this step
     if _rank0(state):
         lay = resume.layout()
         log.info("resumed from %s at step %d (tp=%d pp=%d dp=%d, %.1f s)", path, state.step, lay["tp"],

@@ -22,7 +22,12 @@ def roundtrip(overrides: list[str], run_dir: str) -> dict:
     """Train 2 steps, save, then build the run afresh (auto resume) and compare everything."""
     state = build_resumed(overrides + ["checkpoint.keep=0"], run_dir)
     train(state, 2)
+    wandb_id = Path(run_dir) / "wandb_id"  # what metrics.py keeps for a wandb run
+    if state.info.rank == 0:
+        wandb_id.write_text("run-abc123")
     checkpoint.save(state)
+    if state.info.rank == 0:
+        wandb_id.unlink()  # e.g. a resume=PATH into a fresh run.dir
     before = local_tensors(state)
     rng_before = resume.rng_state()
     loader_before = state.loader.state_dict()
@@ -45,6 +50,7 @@ def roundtrip(overrides: list[str], run_dir: str) -> dict:
             for k in rng_before["tracker"]
         ),
         "dp_rank": ps.get_data_parallel_rank(),
+        "wandb_id": wandb_id.read_text() if wandb_id.exists() else None,
     }
 
 
@@ -67,6 +73,7 @@ def test_every_tensor_comes_back(pool2, tmp_path, layout):
         assert r["n"] > 0 and not r["mismatched"], r["mismatched"][:5]
         assert r["step"] == 2 and r["consumed"] == 16
         assert r["loader"] and r["sched"] and r["rng"]
+    assert results[0]["wandb_id"] == "run-abc123"  # the resumed run continues the same wandb run
     root = tmp_path / "checkpoints"
     assert (root / "latest").read_text().strip() == "step_2"
     manifest = json.loads((root / "step_2" / "manifest.json").read_text())
@@ -184,3 +191,21 @@ def test_async_save_publishes_in_order(pool2, tmp_path):
         "step_1",
         "step_2",
     ]
+
+
+def never_case(run_dir: str) -> None:
+    """resume=never in a run.dir holding an older run's step_1 and step_2 (seed 7)."""
+    old = build_resumed(["parallel.tp=2", "run.seed=7"], run_dir)
+    train(old, 2, save_every=1)
+    state = build_resumed(["parallel.tp=2"], run_dir, resume="never")
+    train(state, 1)
+    checkpoint.save(state)
+
+
+@pytest.mark.dist
+def test_resume_never_overwrites_an_older_run(pool2, tmp_path):
+    from omegaconf import OmegaConf
+
+    pool2.run(never_case, str(tmp_path))
+    assert latest(tmp_path) == "step_1"
+    assert OmegaConf.load(tmp_path / "checkpoints" / "step_1" / "config.yaml").run.seed == 1234

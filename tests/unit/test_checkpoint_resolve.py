@@ -67,3 +67,22 @@ def test_manifest_checks_name_the_file(tmp_path):
     (d / "manifest.json").write_text("{not json")
     with pytest.raises(FtcoreError, match=r"manifest\.json is corrupt"):
         ckpt_files.check_manifest(d, checksums=True)
+
+
+def test_another_model_or_peft_mode_is_refused(tmp_path):
+    from omegaconf import OmegaConf
+
+    from ftcore import resume
+    from ftcore.config import compose
+    from tests.tiny import TINY
+
+    saved = compose(TINY)
+    common = {"config": OmegaConf.to_yaml(saved), "adapter_only": False}
+    state = NS(cfg=compose(TINY + ["model.hidden_size=128"]), info=NS(rank=0))
+    with pytest.raises(FtcoreError, match=r"another model \(model.hidden_size: 64 -> 128\)"):
+        resume.check_compatible(state, common, tmp_path)
+    state = NS(cfg=compose(TINY + ["peft=lora"]), info=NS(rank=0))
+    with pytest.raises(FtcoreError, match="a full checkpoint but this run has peft.name=lora"):
+        resume.check_compatible(state, common, tmp_path)
+    state = NS(cfg=compose(TINY + ["optim.lr=1e-4", "parallel.tp=2"]), info=NS(rank=0))
+    resume.check_compatible(state, common, tmp_path)  # a changed lr or layout is fine
