@@ -5,7 +5,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-EXP ?= tiny_full
+EXP ?= tiny_lora
 PYTEST_ARGS ?=
 
 .PHONY: setup train test test-fast lint format bench clean
