@@ -172,9 +172,9 @@ def train_hf(spec: dict) -> dict:
         disable_tqdm=True,
     )
     trainer = Trainer(model=model, args=args, train_dataset=train_rows, data_collator=collator)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = trainer.train()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     loss, n = eval_loss(model, val_rows, collator, bs)
     tokens = sum(len(r["input_ids"]) for r in train_rows)
     targets = sum(sum(1 for x in r["labels"][1:] if x != -100) for r in train_rows)
@@ -184,6 +184,7 @@ def train_hf(spec: dict) -> dict:
         "tokens": tokens,
         "target_tokens": targets,
         "wall_s": wall,
+        "cpu_s": cpu,
         "train_loss": float(out.training_loss),
         "eval_loss": loss,
         "eval_tokens": n,

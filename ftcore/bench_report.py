@@ -76,8 +76,10 @@ def _header(lines: list[dict]) -> list[str]:
 def layouts_md(lines: list[dict]) -> list[str]:
     out = [
         "| run | layout | tokens/s/GPU | slot tok/s/GPU | predicted | meas/pred | step s (median, spread) "
-        "| TFLOP/s/GPU | MFU | peak GiB | split s/step: " + " / ".join(SPLIT) + " |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| CPU s/step | meas/pred (CPU s) | TFLOP/s/GPU | MFU | peak GiB | split s/step: "
+        + " / ".join(SPLIT)
+        + " |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for ln in lines:
         if ln.get("status") != "ok":
@@ -90,6 +92,7 @@ def layouts_md(lines: list[dict]) -> list[str]:
             f"| {_f(ln['slot_tokens_per_s_per_gpu'])} | {_f(pred.get('tokens_per_s_per_gpu'))} "
             f"| {_f(ln.get('measured_over_predicted'), '.2f')} "
             f"| {_f(ln['step_time_s'], '.3f')} ±{_f(100 * ln['step_time_spread'], '.0f')}% "
+            f"| {_f(ln.get('cpu_step_s'), '.3f')} | {_f(ln.get('measured_over_predicted_cpu'), '.2f')} "
             f"| {_f(ln['model_tflops_per_gpu'], '.4f')} | {_f(ln.get('mfu') and 100 * ln['mfu'], '.1f')}% "
             f"| {_f(ln['peak_mem_gib'], '.2f')} | "
             + " / ".join(_f(split.get(k), ".3f") for k in SPLIT)
@@ -99,7 +102,8 @@ def layouts_md(lines: list[dict]) -> list[str]:
         "",
         "tokens/s/GPU counts non-padding tokens; slot tok/s/GPU counts global batch × seq_len per step, "
         "the planner's basis, so meas/pred = predicted step time / measured median step time. "
-        "Spread = (max − min) / median over the measured steps. On CPU, GiB is the peak resident memory "
+        "Spread = (max − min) / median over the measured steps. CPU s/step: CPU seconds of the busiest "
+        "worker process (median step), the basis local_cpu was calibrated on. On CPU, GiB is the peak resident memory "
         "of a worker and TFLOP/s/MFU are against conf/cluster's nominal peak. Split: mean seconds per "
         "step, averaged over ranks (tp_comm: megatron's TP mappings; grad_sync: finalize_model_grads; "
         "pp_p2p: pipeline sends/receives including waits; other: the rest of the step).",
@@ -110,9 +114,9 @@ def layouts_md(lines: list[dict]) -> list[str]:
 def cpu_vs_hf_md(lines: list[dict]) -> list[str]:
     hf = next((ln for ln in lines if ln.get("side") == "hf" and ln.get("status") == "ok"), None)
     out = [
-        "| side | run | steps | non-padding tokens | wall s | tokens/s | × HF | eval loss | Δ vs HF "
-        "| peak GiB | threads | epoch split s: data / fwd+bwd / optimizer / other |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| side | run | steps | non-padding tokens | wall s | tokens/s | × HF | tokens/CPU-s | × HF (CPU) "
+        "| eval loss | Δ vs HF | peak GiB | threads | epoch split s: data / fwd+bwd / optimizer / other |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for ln in lines:
         if ln.get("status") != "ok":
@@ -121,17 +125,22 @@ def cpu_vs_hf_md(lines: list[dict]) -> list[str]:
             )
             continue
         ratio = ln.get("ratio_vs_hf") if ln.get("side") == "ftcore" else (1.0 if hf else None)
+        ratio_cpu = (
+            ln.get("ratio_vs_hf_cpu") if ln.get("side") == "ftcore" else (1.0 if hf else None)
+        )
         diff = ln.get("eval_loss_rel_diff")
         out.append(
             f"| {ln['side']} | {ln['label']} | {ln['steps']} | {ln['tokens']} | {_f(ln['wall_s'], '.1f')} "
-            f"| {_f(ln['tokens_per_s'])} | {_f(ratio, '.2f')} | {_f(ln['eval_loss'], '.4f')} "
+            f"| {_f(ln['tokens_per_s'])} | {_f(ratio, '.2f')} | {_f(ln.get('tokens_per_cpu_s'))} "
+            f"| {_f(ratio_cpu, '.2f')} | {_f(ln['eval_loss'], '.4f')} "
             f"| {_f(diff and 100 * diff, '+.1f')}{'%' if diff is not None else ''} "
             f"| {_f(ln.get('peak_mem_gib'), '.2f')} | {ln.get('threads')} | {_epoch_split(ln)} |"
         )
     out += [
         "",
         "One epoch over the same documents each; tokens/s = non-padding tokens / wall time of the "
-        "epoch (HF: trainer.train(); ftcore: the training steps). Eval loss: per-token cross entropy "
+        "epoch (HF: trainer.train(); ftcore: the training steps); tokens/CPU-s divides by the CPU "
+        "seconds of the process instead (all threads; less sensitive to other load). Eval loss: per-token cross entropy "
         "over every target token of the validation set after the epoch; a ratio counts only when the "
         "eval losses are within 5%.",
     ]

@@ -233,7 +233,11 @@ def summarize(result: dict, layout: dict) -> dict:
         split[part] = statistics.fmean(per_rank)
     split["other"] = max(0.0, (total_t / max(len(steps), 1)) - sum(split.values()))
     peak = layout.get("peak_bf16_tflops")
+    measured = [i for i, s in enumerate(result["steps"]) if not s["warmup"]]
+    cpu_rows = [r for r in result.get("cpu_by_rank", []) if r and None not in r]
+    cpu = [max(r[i] for r in cpu_rows) for i in measured] if cpu_rows else []
     return {
+        "cpu_step_s": statistics.median(cpu) if cpu else None,
         "steps_measured": len(steps),
         "step_time_s": med,
         "step_time_spread": spread,
@@ -310,6 +314,8 @@ def run_layouts(b: Bench) -> None:
         m = summarize(result, layout)
         if predicted:
             m["measured_over_predicted"] = predicted["step_time_s"] / m["step_time_s"]
+            if m["cpu_step_s"]:
+                m["measured_over_predicted_cpu"] = predicted["step_time_s"] / m["cpu_step_s"]
         b.append({**line, "status": "ok", **m})
 
 
@@ -332,6 +338,7 @@ def run_cpu_vs_hf(b: Bench) -> None:
         b.append({**hf_line, "status": "failed", "error": err})
     else:
         res["tokens_per_s"] = res["tokens"] / res["wall_s"]
+        res["tokens_per_cpu_s"] = res["tokens"] / res["cpu_s"] if res.get("cpu_s") else None
         b.append({**hf_line, "status": "ok", **res})
     # 2. ftcore, one configuration after another
     for run in expand_runs(b.bench):
@@ -360,11 +367,14 @@ def run_cpu_vs_hf(b: Bench) -> None:
             target_tokens=sum(s["target_tokens"] for s in r["steps"]), wall_s=r["wall_s"],
             tokens_per_s=tokens / r["wall_s"], eval_loss=r["eval_loss"], eval_tokens=r["eval_tokens"],
             train_loss_last=r["steps"][-1]["loss"], peak_mem_gib=r["peak_mem_gib"],
-            threads=r.get("threads"), time_split_s=split, packing_efficiency=r["data_report"]["packing_efficiency"],
+            threads=r.get("threads"), time_split_s=split, cpu_s=r.get("cpu_s"),
+            tokens_per_cpu_s=tokens / r["cpu_s"] if r.get("cpu_s") else None, packing_efficiency=r["data_report"]["packing_efficiency"],
             layout=layout_of(ov), probes=r.get("probes", []),
         )  # fmt: skip
         if res is not None:
             line["ratio_vs_hf"] = line["tokens_per_s"] / res["tokens_per_s"]
+            if line["tokens_per_cpu_s"] and res.get("tokens_per_cpu_s"):
+                line["ratio_vs_hf_cpu"] = line["tokens_per_cpu_s"] / res["tokens_per_cpu_s"]
             line["eval_loss_rel_diff"] = (r["eval_loss"] - res["eval_loss"]) / res["eval_loss"]
             line["comparable"] = abs(line["eval_loss_rel_diff"]) <= 0.05
         b.append(line)

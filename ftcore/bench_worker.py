@@ -129,6 +129,8 @@ def measure(state, spec: dict) -> dict:
     # every rank's split (pipeline stages differ); rank 0 keeps them all
     all_parts = _gather([r["parts"] for r in records])
     result["parts_by_rank"] = all_parts
+    result["cpu_by_rank"] = _gather([r.get("cpu_s") for r in records])
+    result["cpu_s"] = state.extra.get("bench_cpu_s")
     result["peak_mem_gib"] = max(_gather(metrics.peak_mem_gib()))
     if spec.get("eval"):
         result["eval_loss"], result["eval_tokens"] = eval_loss(state)
@@ -147,9 +149,9 @@ def _steps(state, timers: Timers, warmup: int, measure: int) -> tuple[list[dict]
     records = []
     t_start = time.perf_counter()
     for i in range(warmup + measure):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = trainer.train_step(state)
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         state.step += 1
         records.append(
             {
@@ -160,6 +162,7 @@ def _steps(state, timers: Timers, warmup: int, measure: int) -> tuple[list[dict]
                 "tokens": out.get("tokens", 0),
                 "target_tokens": out.get("target_tokens", 0),
                 "step_time_s": dt,
+                "cpu_s": cpu,  # this process's CPU seconds (all threads): less sensitive to load
                 "parts": timers.take(),
             }
         )
@@ -174,7 +177,9 @@ def _epoch(state, timers: Timers) -> tuple[list[dict], float]:
     cfg = state.cfg
     steps = math.ceil(state.loader.report["rows"] / cfg.train.global_batch_size)
     cfg.train.max_steps = steps
+    c0 = time.process_time()
     trainer.fit(state)
+    state.extra["bench_cpu_s"] = time.process_time() - c0  # includes the end-of-run adapter export
     records = []
     if state.info.rank == 0:
         for line in (state.run_dir / "metrics.jsonl").read_text().splitlines():
