@@ -8,6 +8,10 @@ benchmark's own worker process; none of them changes the loss (same math, fewer 
 - FTCORE_PROBE_TRIM=1: unpacked micro-batches cut to their longest row instead of data.seq_len
   (what DataCollatorForSeq2Seq does; exact because padding is masked out of attention and loss).
   Only with pp=1: pipeline sends need a fixed shape.
+- FTCORE_PROBE_CONTIG_GRAD=1: megatron's LinearWithFrozenWeight (the frozen output layer under
+  LoRA) gets a contiguous output gradient. GPTModel returns logits.transpose(0, 1).contiguous(),
+  so the gradient reaching the output layer is a transposed view, and grad_output.matmul(weight)
+  on a non-contiguous 3-D tensor runs as a bmm over an expanded weight instead of one GEMM.
 (FTCORE_CPU_MODE_IN_FORWARD=1, the CPU runtime's own switch, needs no probe.)
 """
 
@@ -35,6 +39,17 @@ def _sdpa_forward(self, query, key, value, attention_mask, attn_mask_type=None,
     return ctx.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
+def _frozen_backward_contiguous(ctx, grad_output):
+    """LinearWithFrozenWeight.backward with a contiguous grad_output (one GEMM)."""
+    import torch.distributed as dist
+
+    (weight,) = ctx.saved_tensors
+    grad_input = grad_output.contiguous().matmul(weight)
+    if ctx.allreduce_dgrad:
+        dist.all_reduce(grad_input, group=ctx.tp_group)
+    return grad_input, None, None, None, None
+
+
 def _trim(mb):
     """Cut an unpacked micro-batch to its longest row (rows hold their tokens from position 0)."""
     n = int((mb.segment_ids > 0).sum(dim=1).max())
@@ -54,6 +69,11 @@ def apply(state) -> list[str]:
 
         DotProductAttention.forward = _sdpa_forward
         on.append("sdpa")
+    if os.environ.get("FTCORE_PROBE_CONTIG_GRAD") == "1":
+        from megatron.core.tensor_parallel.layers import LinearWithFrozenWeight
+
+        LinearWithFrozenWeight.backward = staticmethod(_frozen_backward_contiguous)
+        on.append("contig_grad")
     if os.environ.get("FTCORE_PROBE_TRIM") == "1":
         if state.cfg.data.packing or state.cfg.parallel.pp > 1:
             log.warning("FTCORE_PROBE_TRIM: only for unpacked data at pp=1; not applied")

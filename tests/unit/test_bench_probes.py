@@ -57,3 +57,25 @@ def test_trim_and_sdpa_keep_the_loss(state, monkeypatch):
     assert _loss(state, mbs) == pytest.approx(ref, rel=1e-5)
     assert _loss(state, packed) == pytest.approx(ref_packed, rel=1e-5)
     assert _loss(state, trimmed) == pytest.approx(ref, rel=1e-5)
+
+
+def test_contiguous_grad_probe_keeps_the_gradient(monkeypatch):
+    import torch
+    from megatron.core.tensor_parallel.layers import LinearWithFrozenWeight
+
+    from ftcore import bench_probes
+
+    w = torch.randn(64, 16)
+    x = torch.randn(8, 2, 16, requires_grad=True)
+    g = torch.randn(2, 8, 64).transpose(0, 1)  # the transposed view GPTModel's logits hand back
+
+    def grad():
+        x.grad = None
+        LinearWithFrozenWeight.apply(x, w, None, False, None).backward(g)
+        return x.grad.clone()
+
+    ref = grad()
+    monkeypatch.setattr(
+        LinearWithFrozenWeight, "backward", staticmethod(bench_probes._frozen_backward_contiguous)
+    )
+    torch.testing.assert_close(grad(), ref, rtol=1e-5, atol=1e-6)
