@@ -9,7 +9,6 @@ out of the loss (ftcore.step), so the number is the model's own.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -73,24 +72,19 @@ def evaluate(cfg: DictConfig, state=None) -> dict:
 
 
 def task(cfg: DictConfig) -> int | None:
-    from ftcore import trainer, validate
-    from ftcore.runtime import dist
+    from ftcore import validate
+    from ftcore.runtime import dist as rdist
 
-    if not dist.under_launcher() and cfg.launcher.nproc_per_node > 1:
-        # Check the config once here (exit 2 before any worker starts), fix run.dir for all ranks.
-        checked = copy.deepcopy(cfg)
-        if checked.model.hf_path:
-            from ftcore.hf.config import merge_hf_config
-
-            checked = merge_hf_config(checked)
-        validate.validate(checked, cfg.launcher.nproc_per_node, training=False)
-        argv = [a for a in sys.argv[1:] if not a.startswith("run.dir=")]
-        argv.append(f"run.dir={trainer.decide_run_dir(cfg)}")
-        return dist.launch_local_workers("ftcore.eval", argv, cfg.launcher.nproc_per_node)
+    if not rdist.under_launcher():
+        validate.check_for_launch(cfg, cfg.launcher.nproc_per_node, training=False)
+        if cfg.launcher.nproc_per_node > 1:  # start the workers; run.dir is fixed for all ranks
+            argv = [a for a in sys.argv[1:] if not a.startswith("run.dir=")]
+            argv.append(f"run.dir={rdist.decide_run_dir(cfg)}")
+            return rdist.launch_local_workers("ftcore.eval", argv, cfg.launcher.nproc_per_node)
     try:
         evaluate(cfg)
     finally:
-        dist.teardown()
+        rdist.teardown()
     return None
 
 

@@ -233,19 +233,15 @@ def generate(cfg: DictConfig) -> str:
 
 
 def task(cfg: DictConfig) -> int | None:
-    from ftcore import trainer, validate
+    from ftcore import validate
     from ftcore.runtime import dist as rdist
 
-    if not rdist.under_launcher() and cfg.launcher.nproc_per_node > 1:
-        checked = cfg.copy()
-        if checked.model.hf_path:
-            from ftcore.hf.config import merge_hf_config
-
-            checked = merge_hf_config(checked)
-        validate.validate(checked, cfg.launcher.nproc_per_node, training=False)
-        argv = [a for a in sys.argv[1:] if not a.startswith("run.dir=")]
-        argv.append(f"run.dir={trainer.decide_run_dir(cfg)}")
-        return rdist.launch_local_workers("ftcore.generate", argv, cfg.launcher.nproc_per_node)
+    if not rdist.under_launcher():
+        validate.check_for_launch(cfg, cfg.launcher.nproc_per_node, training=False)
+        if cfg.launcher.nproc_per_node > 1:  # start the workers; run.dir is fixed for all ranks
+            argv = [a for a in sys.argv[1:] if not a.startswith("run.dir=")]
+            argv.append(f"run.dir={rdist.decide_run_dir(cfg)}")
+            return rdist.launch_local_workers("ftcore.generate", argv, cfg.launcher.nproc_per_node)
     try:
         generate(cfg)
     finally:

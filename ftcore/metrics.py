@@ -88,7 +88,10 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        record = {k: (round(v, 8) if isinstance(v, float) and math.isfinite(v) else v) for k, v in record.items()}
+        record = {
+            k: (round(v, 8) if isinstance(v, float) and math.isfinite(v) else v)
+            for k, v in record.items()
+        }
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.wandb is not None:

@@ -38,7 +38,9 @@ def build_optimizer(cfg: DictConfig, model: list):
 def build_scheduler(cfg: DictConfig, optimizer) -> OptimizerParamScheduler:
     s = cfg.sched
     if s.name not in ("cosine", "linear", "constant"):
-        raise FtcoreError(f"unknown schedule {s.name!r}", field="sched.name", fix="cosine, linear or constant")
+        raise FtcoreError(
+            f"unknown schedule {s.name!r}", field="sched.name", fix="cosine, linear or constant"
+        )
     steps = cfg.train.max_steps
     return OptimizerParamScheduler(
         optimizer,

@@ -12,7 +12,6 @@ from functools import partial
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
-
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from ftcore.data.packing import cu_seqlens_from_segments

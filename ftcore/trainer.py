@@ -19,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ftcore import metrics as metrics_mod
 from ftcore.errors import FtcoreError, StopRequested
-from ftcore.runtime import cpu, dist as rdist, signals
+from ftcore.runtime import cpu, signals
+from ftcore.runtime import dist as rdist
 from ftcore.step import forward_step, microbatch_iterators
 
 log = logging.getLogger("ftcore")
@@ -41,14 +42,6 @@ class TrainState:
     consumed_samples: int = 0
     bad_steps: int = 0
     extra: dict = field(default_factory=dict)  # things later stages attach (e.g. wandb id)
-
-
-def decide_run_dir(cfg: DictConfig) -> str:
-    """outputs/<exp>/<job id or timestamp>: decided once (rank 0, or the launching parent)."""
-    if cfg.run.dir:
-        return cfg.run.dir
-    job = os.environ.get("SLURM_JOB_ID") or time.strftime("%Y%m%d-%H%M%S")
-    return str(Path("outputs") / cfg.run.exp / job)
 
 
 def setup(cfg: DictConfig, *, data: bool = True) -> TrainState:
@@ -77,7 +70,7 @@ def setup(cfg: DictConfig, *, data: bool = True) -> TrainState:
     with cpu.device_mode():
         model_parallel_cuda_manual_seed(cfg.run.seed)
     # 5. One run directory for all ranks.
-    cfg.run.dir = rdist.broadcast_object(decide_run_dir(cfg))
+    cfg.run.dir = rdist.broadcast_object(rdist.decide_run_dir(cfg))
     run_dir = Path(cfg.run.dir)
     state = TrainState(cfg=cfg, info=info, run_dir=run_dir, dp=dp)
     if info.rank == 0:
@@ -137,14 +130,18 @@ def _reduce_sums(values: list[float], contribute: bool) -> list[float]:
 
 
 def _is_loss_rank() -> bool:
-    return ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+    return (
+        ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+    )
 
 
 def _is_data_rank() -> bool:
     return ps.get_pipeline_model_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
 
 
-def run_batches(state: TrainState, microbatches: list, *, forward_only: bool) -> tuple[float, float]:
+def run_batches(
+    state: TrainState, microbatches: list, *, forward_only: bool
+) -> tuple[float, float]:
     """forward(+backward) of one global batch; returns (loss sum, target tokens) over the world."""
     cfg = state.cfg
     with cpu.device_mode():
@@ -171,22 +168,42 @@ def train_step(state: TrainState) -> dict:
     loss_sum, target_tokens = run_batches(state, microbatches, forward_only=False)
     loss = loss_sum / max(target_tokens, 1.0)
     if not math.isfinite(loss):
-        return {"loss": loss, "grad_norm": float("nan"), "skipped": True, "target_tokens": target_tokens}
+        return {
+            "loss": loss,
+            "grad_norm": float("nan"),
+            "skipped": True,
+            "target_tokens": target_tokens,
+        }
     with cpu.device_mode():
         # Non-finite grads must be caught before the update: without loss scaling megatron's step
         # applies them (clipping skips a NaN norm), poisoning the weights a skip should protect.
         found_inf = state.optimizer.prepare_grads()
         norm = float("nan") if found_inf else float(state.optimizer.get_grad_norm() or 0.0)
         if not math.isfinite(norm):
-            return {"loss": loss, "grad_norm": norm, "skipped": True, "target_tokens": target_tokens}
+            return {
+                "loss": loss,
+                "grad_norm": norm,
+                "skipped": True,
+                "target_tokens": target_tokens,
+            }
         ok, grad_norm, _ = state.optimizer.step()
     grad_norm = float(grad_norm) if grad_norm is not None else 0.0
     if not ok or not math.isfinite(grad_norm):
-        return {"loss": loss, "grad_norm": grad_norm, "skipped": True, "target_tokens": target_tokens}
+        return {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "skipped": True,
+            "target_tokens": target_tokens,
+        }
     state.scheduler.step(increment=1)
     (tokens,) = _reduce_sums([float(sum(mb.num_tokens for mb in microbatches))], _is_data_rank())
     state.consumed_samples += cfg.train.global_batch_size
-    return {"loss": loss, "grad_norm": grad_norm, "tokens": int(tokens), "target_tokens": int(target_tokens)}
+    return {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "tokens": int(tokens),
+        "target_tokens": int(target_tokens),
+    }
 
 
 def evaluate(state: TrainState) -> float:
@@ -211,7 +228,9 @@ def _handle_bad_step(state: TrainState, out: dict) -> None:
             field="train",
             fix="lower optim.lr, check the data, or allow skips with train.skip_bad_steps=K",
         )
-    log.warning("%s: step skipped (%d/%d allowed)", msg, state.bad_steps, state.cfg.train.skip_bad_steps)
+    log.warning(
+        "%s: step skipped (%d/%d allowed)", msg, state.bad_steps, state.cfg.train.skip_bad_steps
+    )
 
 
 def fit(state: TrainState) -> None:

@@ -4,6 +4,8 @@ FtcoreError naming the field and the fix."""
 
 from __future__ import annotations
 
+import copy
+
 from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
@@ -67,7 +69,11 @@ def check_divisibility(cfg: DictConfig) -> None:
             f"tp={p.tp} does not divide ffn_hidden_size={m.ffn_hidden_size}", field="parallel.tp"
         )
     if p.sp and p.tp == 1:
-        raise FtcoreError("sequence parallel needs tp > 1", field="parallel.sp", fix="set parallel.tp>1 or parallel.sp=false")
+        raise FtcoreError(
+            "sequence parallel needs tp > 1",
+            field="parallel.sp",
+            fix="set parallel.tp>1 or parallel.sp=false",
+        )
     split_layers(m.num_layers, p.pp, p.vp)
     if cfg.data.seq_len % (p.tp if p.sp else 1) or cfg.data.seq_len % (2 * p.cp):
         raise FtcoreError(
@@ -114,13 +120,25 @@ def check_world(cfg: DictConfig, world: int) -> int:
     return dp
 
 
+def check_for_launch(cfg: DictConfig, world: int, *, training: bool = True) -> int:
+    """validate() before anything heavy is imported, with the HF model's shapes merged in (on a
+    copy): the launching parent exits 2 before any worker starts, a single process before megatron
+    is imported."""
+    checked = copy.deepcopy(cfg)
+    if checked.model.hf_path:
+        from ftcore.hf.config import merge_hf_config
+
+        checked = merge_hf_config(checked)
+    return validate(checked, world, training=training)
+
+
 def validate(cfg: DictConfig, launched: int, *, training: bool = True) -> int:
     """Run every check in the pinned order; returns the data-parallel size."""
     from ftcore import planner, precision
 
     check_choices(cfg)
     check_divisibility(cfg)
-    from ftcore.peft.lora import check_config as check_peft
+    from ftcore.peft.config import check_config as check_peft
 
     check_peft(cfg)  # targets, rank, QLoRA x FP8/FP4, an adapter_path that fits the model
     if training:

@@ -7,9 +7,9 @@ from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from omegaconf import DictConfig
 
+from ftcore import precision
 from ftcore.models.init import init_weights
 from ftcore.models.llama import layer_spec, padded_vocab_size, transformer_config
-from ftcore import precision
 from ftcore.runtime import cpu
 
 

@@ -17,8 +17,9 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return g
 
 
-def full_init(name: str, shape: tuple[int, ...], *, seed: int, std: float, num_layers: int,
-              vocab_size: int) -> torch.Tensor:
+def full_init(
+    name: str, shape: tuple[int, ...], *, seed: int, std: float, num_layers: int, vocab_size: int
+) -> torch.Tensor:
     """The full fp32 tensor for a parameter, as megatron's normal / scaled-normal init draws it."""
     if "norm" in name and name.endswith("weight"):
         return torch.ones(shape)
@@ -36,10 +37,12 @@ def full_init(name: str, shape: tuple[int, ...], *, seed: int, std: float, num_l
 
 
 @torch.no_grad()
-def init_weights(chunks, *, seed: int, std: float, num_layers: int, vocab_size: int, tp: int,
-                 tp_rank: int) -> None:
+def init_weights(
+    chunks, *, seed: int, std: float, num_layers: int, vocab_size: int, tp: int, tp_rank: int
+) -> None:
     for name, p in iter_params(chunks):
         info = shard_info(name, p, tp)
-        full = full_init(name, info.full_shape, seed=seed, std=std, num_layers=num_layers,
-                         vocab_size=vocab_size)
+        full = full_init(
+            name, info.full_shape, seed=seed, std=std, num_layers=num_layers, vocab_size=vocab_size
+        )
         p.copy_(take_shard(full, info, tp_rank, tp).to(p.dtype))

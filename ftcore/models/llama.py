@@ -78,7 +78,9 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
     if p.recompute == "selective":
         kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
     elif p.recompute == "full":
-        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        kwargs.update(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
     if not on_cpu:
         from ftcore import precision
 

@@ -34,7 +34,9 @@ def global_name(local_name: str, chunk: torch.nn.Module) -> str:
     """Strip wrappers (DDP's `module.`, LoRA's `base_layer.`) and replace the stage-local layer index
     by the global one."""
     model = unwrap(chunk)
-    name = re.sub(r"^(?:module\.)+", "", local_name).replace(".base_layer.", ".")  # LoRA-wrapped base
+    name = re.sub(r"^(?:module\.)+", "", local_name).replace(
+        ".base_layer.", "."
+    )  # LoRA-wrapped base
     m = _LAYER.match(name)
     if m:
         layer = model.decoder.layers[int(m.group(1))]

@@ -32,14 +32,7 @@ from megatron.core.transformer.utils import (
 )
 from torch import nn
 
-# Hugging Face names of the slices of each megatron linear, in fused order.
-SLICES = {
-    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
-    "linear_proj": ("o_proj",),
-    "linear_fc1": ("gate_proj", "up_proj"),
-    "linear_fc2": ("down_proj",),
-}
-COLUMN = ("linear_qkv", "linear_fc1")
+from ftcore.peft.config import COLUMN, SLICES, scaling  # noqa: F401 - re-exported
 
 
 @dataclass(frozen=True)
@@ -64,10 +57,6 @@ class Geometry:
             "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
             "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
         }[hf_name]  # fmt: skip
-
-
-def scaling(r: int, alpha: float, rslora: bool) -> float:
-    return alpha / (r**0.5) if rslora else alpha / r
 
 
 def fuse_column(

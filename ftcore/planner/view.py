@@ -21,7 +21,9 @@ def view(cfg) -> PlanView:
     if isinstance(cfg, PlanView):
         return cfg
     data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
-    return PlanView(**{k: SimpleNamespace(**v) if isinstance(v, dict) else v for k, v in data.items()})
+    return PlanView(
+        **{k: SimpleNamespace(**v) if isinstance(v, dict) else v for k, v in data.items()}
+    )
 
 
 def replace(cfg, **sections) -> PlanView:

@@ -14,8 +14,10 @@ import logging
 import os
 import socket
 import sys
+import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -39,7 +41,11 @@ def under_launcher() -> bool:
     """True when torchrun, srun or our own local launch already started this process as a rank."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return True
-    return "SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ and "SLURM_NTASKS" in os.environ
+    return (
+        "SLURM_PROCID" in os.environ
+        and "MASTER_ADDR" in os.environ
+        and "SLURM_NTASKS" in os.environ
+    )
 
 
 def _env_from_slurm() -> None:
@@ -121,7 +127,9 @@ def init_distributed(cfg: DictConfig) -> DistInfo:
             backend="nccl" if use_cuda else "gloo",
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(minutes=int(os.environ.get("FTCORE_DIST_TIMEOUT_MIN", "30"))),
+            timeout=datetime.timedelta(
+                minutes=int(os.environ.get("FTCORE_DIST_TIMEOUT_MIN", "30"))
+            ),
         )
     return DistInfo(rank, world, local_rank, local_world, device)
 
@@ -144,6 +152,14 @@ def init_model_parallel(cfg: DictConfig, world: int) -> None:
         virtual_pipeline_model_parallel_size=p.vp if p.vp > 1 else None,
         context_parallel_size=p.cp,
     )
+
+
+def decide_run_dir(cfg: DictConfig) -> str:
+    """outputs/<exp>/<job id or timestamp>: decided once (rank 0, or the launching parent)."""
+    if cfg.run.dir:
+        return cfg.run.dir
+    job = os.environ.get("SLURM_JOB_ID") or time.strftime("%Y%m%d-%H%M%S")
+    return str(Path("outputs") / cfg.run.exp / job)
 
 
 def broadcast_object(obj, src: int = 0):

@@ -102,26 +102,10 @@ def merge_weights(results: list[dict]) -> dict[str, torch.Tensor]:
     return merged
 
 
-def saved_activation_bytes(state) -> int:
-    """Bytes of tensors autograd saves for backward in one training step, deduplicated by storage
-    (parameters excluded): what activation memory and recompute are about."""
-    params = {p.untyped_storage().data_ptr() for _, p in iter_params(state.model)}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        if isinstance(t, torch.Tensor):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params:
-                seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        trainer.train_step(state)
-    return sum(seen.values())
-
-
 def recompute_case(overrides: list[str], run_dir: str, steps: int = 3) -> dict:
+    from tests.dist.planner_probe import peak_saved_bytes
+
     state = build(overrides, run_dir)
-    first = saved_activation_bytes(state)
+    first = peak_saved_bytes(state)  # peak of live saved tensors: what recompute lowers
     losses = [trainer.train_step(state)["loss"] for _ in range(steps)]
     return {"saved_bytes": first, "loss": losses}

@@ -9,14 +9,17 @@ parallel state, so the next case starts clean. One torch thread per rank.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+GRACE = 30.0  # seconds the other ranks get once one rank has failed
 
 
 def _worker(rank: int, world: int, port: int, conn) -> None:
@@ -37,49 +40,78 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
 
     cpu.activate()
     from megatron.core import parallel_state as ps
+    from torch.distributed import distributed_c10d as c10d
 
     while True:
         msg = conn.recv()
         if msg is None:
             break
         fn, args, kwargs = msg
+        groups = set(c10d._world.pg_map)
         try:
-            conn.send(("ok", fn(*args, **kwargs)))
+            result = ("ok", fn(*args, **kwargs))
         except BaseException:  # noqa: BLE001 - reported to the test process
-            conn.send(("err", traceback.format_exc()))
-        finally:
-            if ps.model_parallel_is_initialized():
-                ps.destroy_model_parallel()
+            result = ("err", traceback.format_exc())
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        # megatron's destroy drops its groups without shutting them down: each gloo group keeps
+        # its TCP loop threads, and hundreds of cases leave thousands of runnable threads that
+        # slow the whole suite to a crawl. Shut down every group this case created.
+        for pg in [g for g in c10d._world.pg_map if g not in groups]:
+            dist.destroy_process_group(pg)
+        gc.collect()  # the case's model and optimizer hold the groups in reference cycles
+        conn.send(result)
     dist.destroy_process_group()
 
 
 class Pool:
+    """World-size `world` gloo workers. A case that fails or hangs costs the pool: it is killed and
+    started afresh on the next run(), so one broken case never stalls the cases after it."""
+
     def __init__(self, world: int):
         self.world = world
+        self.conns, self.procs = [], []
+        self._start()
+
+    def _start(self) -> None:
         ctx = mp.get_context("spawn")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.conns, self.procs = [], []
-        for rank in range(world):
+        for rank in range(self.world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, world, port, child), daemon=True)
+            p = ctx.Process(target=_worker, args=(rank, self.world, port, child), daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
 
-    def run(self, fn, *args, timeout: float = 600, **kwargs) -> list:
-        """fn(*args, **kwargs) on every rank; the per-rank results, or the first rank's traceback."""
+    def run(self, fn, *args, timeout: float = 420, **kwargs) -> list:
+        """fn(*args, **kwargs) on every rank; the per-rank results, or every failed rank's traceback.
+
+        timeout (below pytest's 600 s, so the pool cleans up before pytest gives up) bounds the
+        whole case; once a rank has failed, the others get GRACE seconds before they count as hung
+        (they may be waiting in a collective for the failed one)."""
+        if not self.procs or not all(p.is_alive() for p in self.procs):
+            self.close(kill=True)
+            self._start()
         for c in self.conns:
             c.send((fn, args, kwargs))
+        deadline = time.monotonic() + timeout
         results, errors = [], []
         for rank, c in enumerate(self.conns):
-            if not c.poll(timeout):
+            if not c.poll(max(0.0, deadline - time.monotonic())):
                 self.close(kill=True)
-                raise TimeoutError(f"rank {rank} did not finish within {timeout} s")
+                msg = f"rank {rank} did not finish within {timeout:.0f} s"
+                raise TimeoutError("\n".join([msg, *errors]))
             status, value = c.recv()
-            (results if status == "ok" else errors).append(value if status == "ok" else f"[rank {rank}]\n{value}")
+            if status == "ok":
+                results.append(value)
+            else:
+                errors.append(f"[rank {rank}]\n{value}")
+                deadline = min(deadline, time.monotonic() + GRACE)
         if errors:
+            self.close(kill=True)
             raise RuntimeError("a rank failed:\n" + "\n".join(errors))
         return results
 
@@ -94,3 +126,7 @@ class Pool:
             p.join(timeout=0 if kill else 10)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
+        for c in self.conns:
+            c.close()
+        self.conns, self.procs = [], []

@@ -40,7 +40,11 @@ def test_unknown_group_option_lists_options():
     "overrides, world, field",
     [
         (["parallel.tp=3"], 3, "parallel.tp"),  # 8 heads
-        (["model.num_query_groups=2", "model.num_attention_heads=8", "parallel.tp=4"], 4, "parallel.tp"),
+        (
+            ["model.num_query_groups=2", "model.num_attention_heads=8", "parallel.tp=4"],
+            4,
+            "parallel.tp",
+        ),
         (["parallel.pp=3"], 3, "parallel.pp"),  # 4 layers: neither 4 nor 6 divides by 3... 6 does
         (["parallel.pp=5"], 5, "model.num_layers"),
         (["train.global_batch_size=10", "train.micro_batch_size=4"], 1, "train.global_batch_size"),
