@@ -20,6 +20,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 GRACE = 30.0  # seconds the other ranks get once one rank has failed
+# megatron's DDP registers hooks on the parameters' grad accumulators (C++ autograd nodes) that
+# point back at the DDP module: a cycle the garbage collector cannot see, so each case with data
+# parallelism leaks its model and the gloo threads of its groups. A worker that has gathered this
+# many threads is replaced (about 10 s) before the leak slows everything else down.
+MAX_THREADS = 200
+
+
+def _threads() -> int:
+    return len(os.listdir(f"/proc/{os.getpid()}/task")) if os.path.isdir("/proc") else 0
 
 
 def _worker(rank: int, world: int, port: int, conn) -> None:
@@ -60,7 +69,7 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
         for pg in [g for g in c10d._world.pg_map if g not in groups]:
             dist.destroy_process_group(pg)
         gc.collect()  # the case's model and optimizer hold the groups in reference cycles
-        conn.send(result)
+        conn.send((*result, _threads()))
     dist.destroy_process_group()
 
 
@@ -98,20 +107,22 @@ class Pool:
         for c in self.conns:
             c.send((fn, args, kwargs))
         deadline = time.monotonic() + timeout
-        results, errors = [], []
+        results, errors, worn = [], [], False
         for rank, c in enumerate(self.conns):
             if not c.poll(max(0.0, deadline - time.monotonic())):
                 self.close(kill=True)
                 msg = f"rank {rank} did not finish within {timeout:.0f} s"
                 raise TimeoutError("\n".join([msg, *errors]))
-            status, value = c.recv()
+            status, value, threads = c.recv()
+            worn = worn or threads > MAX_THREADS
             if status == "ok":
                 results.append(value)
             else:
                 errors.append(f"[rank {rank}]\n{value}")
                 deadline = min(deadline, time.monotonic() + GRACE)
-        if errors:
+        if errors or worn:
             self.close(kill=True)
+        if errors:
             raise RuntimeError("a rank failed:\n" + "\n".join(errors))
         return results
 
