@@ -65,11 +65,18 @@ class Jobs:
     def wait(self, job: int, timeout: float, hurry_requeue: bool = True) -> dict[str, str]:
         """Until the job is over; a requeued job is started at once (no 11 s scheduler wait)."""
         deadline = time.monotonic() + timeout
+        final = None
         while True:
             info = self.info(job)
             state = info.get("JobState")
             if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
-                return info
+                # A job that requeues itself passes through a terminal state before it is
+                # PENDING again (seen once here): a state counts when it holds for 3 s.
+                if final and final[0] == state and time.monotonic() - final[1] >= 3:
+                    return info
+                final = final if final and final[0] == state else (state, time.monotonic())
+            else:
+                final = None
             if hurry_requeue and state == "PENDING" and int(info.get("Restarts", 0)) > 0:
                 self.cluster.cmd("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
             if time.monotonic() > deadline:
