@@ -222,6 +222,7 @@ class ClusterConfig:
     network_gbps: float = 0.0  # GB/s per GPU across nodes
     reserve_gib: float = 0.0  # framework / allocator reserve per GPU
     step_overhead_s: float = 0.0  # fixed per-step cost (launch, Python)
+    layer_overhead_s: float = 0.0  # fixed cost per layer and micro-batch (Python, autograd)
 
 
 @dataclass

@@ -106,6 +106,9 @@ def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
     if pp_rank == p.pp - 1:
         t += sh.tokens * sh.vocab / sh.tp * 20 / hbm  # logits, fp32 softmax, its gradient
     passes = 2 + (1 if p.recompute == "full" else 0)
+    # host cost per layer and micro-batch (Python, autograd, kernel launches); a full recompute
+    # runs the forward (a third of the work) twice
+    t += w.layers * c.layer_overhead_s * (4 if p.recompute == "full" else 3) / 3
     comm = 0.0
     if p.tp > 1:
         vol = 4 * (p.tp - 1) / p.tp * sh.tokens * sh.h * sh.ab * passes * w.layers
