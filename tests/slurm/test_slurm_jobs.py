@@ -47,7 +47,10 @@ def test_two_nodes_usr1_saves_requeues_resumes_and_finishes(jobs):
     jobs.cluster.cmd("scancel", "--signal=USR1", "--batch", str(job))
     info = jobs.wait(job, timeout=600)
     log = jobs.log(job)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), (info, log)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), (
+        info,
+        log,
+    )
     # the rendezvous: two nodes, one worker each, master at the first node's NodeAddr
     assert "nnodes=2 nproc_per_node=1 world_size=2" in log
     assert "rendezvous 127.0.0.1:" in log and "nodes=node1,node2" in log
