@@ -39,9 +39,8 @@ class RunConfig:
 @dataclass
 class LauncherConfig:
     nproc_per_node: int = 1
-    threads_per_rank: Optional[int] = (
-        None  # CPU: torch threads per worker (default cores / workers)
-    )
+    # CPU: torch threads per worker (default cores / workers)
+    threads_per_rank: Optional[int] = None
 
 
 @dataclass
@@ -57,9 +56,8 @@ class RopeScalingConfig:
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    hf_path: Optional[str] = (
-        None  # a local HF directory: shapes, weights and tokenizer come from it
-    )
+    # a local HF directory: shapes, weights and tokenizer come from it
+    hf_path: Optional[str] = None
     tokenizer: Optional[str] = None  # a tokenizer directory; default: hf_path, else the bundled one
     num_layers: int = MISSING
     hidden_size: int = MISSING
@@ -74,9 +72,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
-    init_path: Optional[str] = (
-        None  # a safetensors base shipped in assets (tiny_lora's pretrained base)
-    )
+    # a safetensors base shipped in assets (tiny_lora's pretrained base)
+    init_path: Optional[str] = None
 
 
 @dataclass
@@ -130,9 +127,8 @@ class CheckpointConfig:
     keep: int = 2
     resume: str = "auto"  # auto | never | PATH
     save_at_end: bool = True
-    async_save: bool = (
-        True  # GPU only: write in the background, publish when done (CPU: synchronous)
-    )
+    # GPU only: write in the background, publish when done (CPU: synchronous)
+    async_save: bool = True
     verify: bool = True  # checksums of every file: written at save, checked before a load
 
 
@@ -167,9 +163,8 @@ class PrecisionConfig:
     params_dtype: str = "fp32"  # fp32 | bf16: compute and parameter dtype of the base
     fp8_recipe: Optional[str] = None  # delayed | tensorwise | blockwise | mxfp8
     fp4_recipe: Optional[str] = None  # nvfp4
-    fp8_format: Optional[str] = (
-        None  # e4m3 | hybrid (E5M2 grads); default per recipe (ftcore.precision)
-    )
+    # e4m3 | hybrid (E5M2 grads); default per recipe (ftcore.precision)
+    fp8_format: Optional[str] = None
     te_layers: bool = True  # GPU: Transformer Engine layers when installed (FP8/FP4 need them)
     first_last_bf16_layers: int = 0  # keep this many layers at each end in BF16
     fp8_param_gather: bool = False
@@ -211,9 +206,8 @@ class ClusterConfig:
     gpu_mem_gib: float = 24.0
     device: str = "cpu"  # cpu | cuda
     compute_capability: Optional[float] = None  # 9.0 (H100/H200), 10.0 (B200/GB200), 10.3 (GB300)
-    peak_tflops: dict[str, float] = field(
-        default_factory=dict
-    )  # dense per precision: bf16, fp8, fp4
+    # dense per precision: bf16, fp8, fp4
+    peak_tflops: dict[str, float] = field(default_factory=dict)
     matmul_efficiency: float = 0.7  # achievable fraction of peak on large GEMMs
     attention_efficiency: float = 0.5  # flash attention, fraction of the bf16 peak (planner)
     hbm_gbps: float = 100.0  # memory bandwidth, GB/s: elementwise kernels, optimizer (planner)

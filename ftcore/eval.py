@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -72,15 +71,11 @@ def evaluate(cfg: DictConfig, state=None) -> dict:
 
 
 def task(cfg: DictConfig) -> int | None:
-    from ftcore import validate
     from ftcore.runtime import dist as rdist
 
-    if not rdist.under_launcher():
-        validate.check_for_launch(cfg, cfg.launcher.nproc_per_node, training=False)
-        if cfg.launcher.nproc_per_node > 1:  # start the workers; run.dir is fixed for all ranks
-            argv = [a for a in sys.argv[1:] if not a.startswith("run.dir=")]
-            argv.append(f"run.dir={rdist.decide_run_dir(cfg)}")
-            return rdist.launch_local_workers("ftcore.eval", argv, cfg.launcher.nproc_per_node)
+    status = rdist.launch_standalone(cfg, "ftcore.eval", training=False)
+    if status is not None:
+        return status
     try:
         evaluate(cfg)
     finally:

@@ -12,7 +12,6 @@ padded vocab masked) and shared with every rank.
 from __future__ import annotations
 
 import logging
-import sys
 from functools import partial
 
 import torch
@@ -233,15 +232,11 @@ def generate(cfg: DictConfig) -> str:
 
 
 def task(cfg: DictConfig) -> int | None:
-    from ftcore import validate
     from ftcore.runtime import dist as rdist
 
-    if not rdist.under_launcher():
-        validate.check_for_launch(cfg, cfg.launcher.nproc_per_node, training=False)
-        if cfg.launcher.nproc_per_node > 1:  # start the workers; run.dir is fixed for all ranks
-            argv = [a for a in sys.argv[1:] if not a.startswith("run.dir=")]
-            argv.append(f"run.dir={rdist.decide_run_dir(cfg)}")
-            return rdist.launch_local_workers("ftcore.generate", argv, cfg.launcher.nproc_per_node)
+    status = rdist.launch_standalone(cfg, "ftcore.generate", training=False)
+    if status is not None:
+        return status
     try:
         generate(cfg)
     finally:

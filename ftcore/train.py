@@ -3,24 +3,17 @@
 
 from __future__ import annotations
 
-import sys
-
 from omegaconf import DictConfig
 
 from ftcore.cli import run
 
 
 def task(cfg: DictConfig) -> int | None:
-    from ftcore import validate
     from ftcore.runtime import dist
 
-    if not dist.under_launcher():
-        # Check the config before megatron is imported or any worker starts: bad input exits 2 fast.
-        validate.check_for_launch(cfg, cfg.launcher.nproc_per_node)
-        if cfg.launcher.nproc_per_node > 1:  # start the workers; run.dir is fixed for all ranks
-            argv = [a for a in sys.argv[1:] if not a.startswith("run.dir=")]
-            argv.append(f"run.dir={dist.decide_run_dir(cfg)}")
-            return dist.launch_local_workers("ftcore.train", argv, cfg.launcher.nproc_per_node)
+    status = dist.launch_standalone(cfg, "ftcore.train")
+    if status is not None:
+        return status
     from ftcore import trainer
 
     try:

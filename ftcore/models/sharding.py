@@ -34,9 +34,8 @@ def global_name(local_name: str, chunk: torch.nn.Module) -> str:
     """Strip wrappers (DDP's `module.`, LoRA's `base_layer.`) and replace the stage-local layer index
     by the global one."""
     model = unwrap(chunk)
-    name = re.sub(r"^(?:module\.)+", "", local_name).replace(
-        ".base_layer.", "."
-    )  # LoRA-wrapped base
+    # DDP's module. prefixes; LoRA-wrapped bases
+    name = re.sub(r"^(?:module\.)+", "", local_name).replace(".base_layer.", ".")
     m = _LAYER.match(name)
     if m:
         layer = model.decoder.layers[int(m.group(1))]

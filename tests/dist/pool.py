@@ -79,7 +79,6 @@ class Pool:
 
     def __init__(self, world: int):
         self.world = world
-        self.conns, self.procs = [], []
         self._start()
 
     def _start(self) -> None:
