@@ -62,8 +62,10 @@ class Jobs:
     def info(self, job: int) -> dict[str, str]:
         return localslurm.job_info(self.cluster, job)
 
-    def wait(self, job: int, timeout: float, hurry_requeue: bool = True) -> dict[str, str]:
-        """Until the job is over; a requeued job is started at once (no 11 s scheduler wait)."""
+    def wait(self, job: int, timeout: float) -> dict[str, str]:
+        """Until the job is over. A requeued job restarts on SLURM's own schedule (cred_expire + 1 s,
+        ~11 s here): `scontrol update StartTime=now` would be faster, but a launch within a second
+        of the requeue is refused ("Job credential revoked") and the job ends FAILED 1:0."""
         deadline = time.monotonic() + timeout
         final = None
         while True:
@@ -77,12 +79,19 @@ class Jobs:
                 final = final if final and final[0] == state else (state, time.monotonic())
             else:
                 final = None
-            if hurry_requeue and state == "PENDING" and int(info.get("Restarts", 0)) > 0:
-                self.cluster.cmd("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
             if time.monotonic() > deadline:
                 self.cluster.cmd("scancel", str(job), check=False)
-                raise AssertionError(f"job {job} still {state} after {timeout} s\n{self.log(job)}")
+                raise AssertionError(
+                    f"job {job} still {state} after {timeout} s\n{self.report(job)}"
+                )
             time.sleep(1)
+
+    def report(self, job: int) -> str:
+        """For a failing assertion: the job's state, its output and the daemons' log tails."""
+        info = self.info(job)
+        keys = ("JobState", "Reason", "ExitCode", "Restarts", "NodeList")
+        state = " ".join(f"{k}={info.get(k)}" for k in keys)
+        return f"{state}\n--- job output\n{self.log(job)}\n{self.cluster.logs()}"
 
     def run_dir(self, exp: str, job: int) -> Path:
         return self.workdir / "outputs" / exp / f"slurm-{job}"

@@ -47,10 +47,8 @@ def test_two_nodes_usr1_saves_requeues_resumes_and_finishes(jobs):
     jobs.cluster.cmd("scancel", "--signal=USR1", "--batch", str(job))
     info = jobs.wait(job, timeout=600)
     log = jobs.log(job)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), (
-        info,
-        log,
-    )
+    state = (info["JobState"], info["ExitCode"], info["Restarts"])
+    assert state == ("COMPLETED", "0:0", "1"), jobs.report(job)
     # the rendezvous: two nodes, one worker each, master at the first node's NodeAddr
     assert "nnodes=2 nproc_per_node=1 world_size=2" in log
     assert "rendezvous 127.0.0.1:" in log and "nodes=node1,node2" in log
@@ -69,9 +67,10 @@ def test_two_nodes_usr1_saves_requeues_resumes_and_finishes(jobs):
 
 def test_user_error_is_not_requeued(jobs):
     job = jobs.submit("tiny_cpu.sh", "train.max_steps=not_a_number")
-    info = jobs.wait(job, timeout=300, hurry_requeue=False)
+    info = jobs.wait(job, timeout=300)
     log = jobs.log(job)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "2:0", "0"), log
+    state = (info["JobState"], info["ExitCode"], info["Restarts"])
+    assert state == ("FAILED", "2:0", "0"), jobs.report(job)
     assert "train.max_steps" in log and "step exited 2: not requeueing" in log
 
 
@@ -83,7 +82,8 @@ def test_requeues_are_bounded(jobs, tmp_path):
     job = jobs.submit("tiny_cpu.sh", nodes=1, **env)
     info = jobs.wait(job, timeout=300)
     log = jobs.log(job)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "3:0", "1"), log
+    state = (info["JobState"], info["ExitCode"], info["Restarts"])
+    assert state == ("FAILED", "3:0", "1"), jobs.report(job)
     assert log.count("requeueing job") == 1 and "not requeueing" in log
 
 
