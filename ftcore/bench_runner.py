@@ -369,7 +369,7 @@ def run_cpu_vs_hf(b: Bench) -> None:
             train_loss_last=r["steps"][-1]["loss"], peak_mem_gib=r["peak_mem_gib"],
             threads=r.get("threads"), time_split_s=split, cpu_s=r.get("cpu_s"),
             tokens_per_cpu_s=tokens / r["cpu_s"] if r.get("cpu_s") else None, packing_efficiency=r["data_report"]["packing_efficiency"],
-            layout=layout_of(ov), probes=r.get("probes", []),
+            layout=layout_of(ov),
         )  # fmt: skip
         if res is not None:
             line["ratio_vs_hf"] = line["tokens_per_s"] / res["tokens_per_s"]

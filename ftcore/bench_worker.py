@@ -114,10 +114,9 @@ def eval_loss(state) -> tuple[float, int]:
 
 
 def measure(state, spec: dict) -> dict:
-    from ftcore import bench_probes, metrics
+    from ftcore import metrics
 
     cfg = state.cfg
-    probes = bench_probes.apply(state)  # before the timers, so "data" times what the probe feeds
     timers = Timers()
     instrument(state, timers)
     loader = state.loader
@@ -125,7 +124,7 @@ def measure(state, spec: dict) -> dict:
         records, wall = _epoch(state, timers)
     else:
         records, wall = _steps(state, timers, int(spec["warmup"]), int(spec["measure"]))
-    result = {"steps": records, "wall_s": wall, "probes": probes}
+    result = {"steps": records, "wall_s": wall}
     # every rank's split (pipeline stages differ); rank 0 keeps them all
     all_parts = _gather([r["parts"] for r in records])
     result["parts_by_rank"] = all_parts

@@ -187,6 +187,8 @@ class DataConfig:
     format: str = "instruction"  # instruction | chat | text
     seq_len: int = 256
     packing: bool = False
+    # unpacked: cut each micro-batch to its longest row (same loss, less padding compute)
+    trim_padding: bool = True
     truncate: str = "right"  # right | drop
     on_bad_record: str = "error"  # error | skip
     chat_template: Optional[str] = None  # llama3 | chatml | PATH; default: the tokenizer's own

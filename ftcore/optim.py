@@ -32,7 +32,10 @@ def build_optimizer(cfg: DictConfig, model: list):
         use_distributed_optimizer=cfg.parallel.distributed_optimizer,
     )
     with cpu.device_mode():
-        return get_megatron_optimizer(config, model)
+        optimizer = get_megatron_optimizer(config, model)
+    if cpu.is_active():
+        cpu.fused_adam(optimizer)
+    return optimizer
 
 
 def build_scheduler(cfg: DictConfig, optimizer) -> OptimizerParamScheduler:

@@ -150,7 +150,7 @@ def run_batches(
             data_iterator=microbatch_iterators(microbatches, len(state.model)),
             model=state.model if len(state.model) > 1 else state.model[0],
             num_microbatches=len(microbatches),
-            seq_length=cfg.data.seq_len,
+            seq_length=microbatches[0].tokens.shape[1],  # seq_len, or less when trimmed
             micro_batch_size=cfg.train.micro_batch_size,
             forward_only=forward_only,
         )

@@ -17,7 +17,8 @@ from ftcore.data.templates import Doc
 
 @dataclass
 class MicroBatch:
-    """One micro-batch on the CPU: [micro_batch_size, seq_len] tensors."""
+    """One micro-batch on the CPU: [micro_batch_size, width] tensors (width: data.seq_len, or
+    less for trimmed unpacked rows, ftcore.data.pipeline.trim_multiple)."""
 
     tokens: torch.Tensor  # int64 input ids (pad id where padding)
     labels: torch.Tensor  # int64, labels[i, t] = token after position t; 0 where not a target

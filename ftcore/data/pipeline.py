@@ -7,6 +7,7 @@ computes the same global batches; each DP rank takes its contiguous slice of eac
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +26,7 @@ __all__ = [
     "build_train_loader",
     "build_val_batches",
     "load_prompts",
+    "trim_multiple",
 ]
 log = logging.getLogger("ftcore")
 
@@ -133,6 +135,27 @@ def _load_train(cfg, tokenizer) -> tuple[Docs, list[int]]:
     return docs, counts
 
 
+def trim_multiple(cfg) -> int | None:
+    """What unpacked micro-batches are cut to a multiple of (None: always data.seq_len).
+
+    Unpacked rows are mostly padding, which costs full compute although the loss and every real
+    token's attention ignore it; cutting a micro-batch to its longest row (what HF's
+    DataCollatorForSeq2Seq does) leaves the math unchanged. The width stays divisible by what the
+    layout splits the sequence over: TP ranks under sequence parallelism, 2 x CP chunks, and
+    128 for FP8/FP4 GEMMs (Transformer Engine wants aligned token dimensions)."""
+    d, p, prec = cfg.data, cfg.parallel, cfg.precision
+    if d.packing or not d.trim_padding:
+        return None
+    m = 8
+    if p.sp:
+        m = math.lcm(m, p.tp)
+    if p.cp > 1:
+        m = math.lcm(m, 2 * p.cp)
+    if prec.fp8_recipe or prec.fp4_recipe:
+        m = math.lcm(m, 128)
+    return m
+
+
 class TrainLoader:
     """This DP rank's micro-batches, step after step, from the endless deterministic stream."""
 
@@ -156,6 +179,7 @@ class TrainLoader:
         self.sampler = Sampler(
             docs.source_ids, counts, lengths, cfg.data.seq_len, cfg.data.packing, cfg.run.seed
         )
+        self.multiple, self.one_width = trim_multiple(cfg), cfg.parallel.pp > 1
         self.report = self._report()
 
     def _report(self) -> dict:
@@ -182,14 +206,21 @@ class TrainLoader:
 
     def next_microbatches(self) -> list[MicroBatch]:
         rows = self.next_rows()
-        return [
-            make_microbatch(
-                [[self.docs.docs[d] for d in r] for r in rows[i : i + self.micro]],
-                self.seq_len,
-                self.pad_id,
-            )
+        groups = [
+            [[self.docs.docs[d] for d in r] for r in rows[i : i + self.micro]]
             for i in range(0, len(rows), self.micro)
         ]
+        widths = [self._width(g) for g in groups]
+        if self.one_width:  # pipeline sends have one shape per step
+            widths = [max(widths)] * len(widths)
+        return [make_microbatch(g, w, self.pad_id) for g, w in zip(groups, widths)]
+
+    def _width(self, rows: list[list[Doc]]) -> int:
+        """seq_len, or (trimming) the longest row rounded up to the layout's multiple."""
+        if self.multiple is None:
+            return self.seq_len
+        longest = max([sum(len(d) for d in r) for r in rows] + [2])
+        return min(self.seq_len, -(-longest // self.multiple) * self.multiple)
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()

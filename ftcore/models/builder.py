@@ -44,6 +44,8 @@ def build_model(cfg: DictConfig, *, vocab_size: int | None = None) -> list[GPTMo
             chunk.uses_te = not on_cpu and precision.use_te(cfg)  # step.py: THD packing, no mask
             if not on_cpu:
                 chunk.cuda(torch.cuda.current_device())
+            elif chunk.post_process:
+                cpu.contiguous_output_grad(chunk.output_layer)
             chunks.append(chunk)
     from ftcore.models import rope
 

@@ -10,6 +10,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from omegaconf import DictConfig
 
+from ftcore.models.attention import SdpaAttention
 from ftcore.models.norm import RMSNorm
 from ftcore.planner.layers import split_layers
 
@@ -89,7 +90,7 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
 
 
 def layer_spec(cfg: DictConfig, config: TransformerConfig, *, on_cpu: bool, vp_stage, pp_rank):
-    """Local spec with an SP-capable RMSNorm on CPU; Transformer Engine's spec on GPU."""
+    """Local spec with an SP-capable RMSNorm and SDPA core attention on CPU; Transformer Engine's spec on GPU."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     if not on_cpu:
@@ -100,6 +101,7 @@ def layer_spec(cfg: DictConfig, config: TransformerConfig, *, on_cpu: bool, vp_s
             return spec
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     norm = ModuleSpec(module=RMSNorm)
+    spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     spec.submodules.input_layernorm = norm
     spec.submodules.pre_mlp_layernorm = norm
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)

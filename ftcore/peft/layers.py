@@ -118,7 +118,8 @@ def column_lora(
     else:
         h = tensor_parallel.copy_to_tensor_model_parallel_region(h)
     parts = dict(zip(keys, h.split([lora_a[k].shape[0] for k in keys], dim=-1)))
-    return {s: F.linear(parts[a_of[s]], b.to(h.dtype)) * scale for s, b in lora_b.items()}
+    # the scale goes on B (r columns), not on the [s, b, out] output: same product, one pass less
+    return {s: F.linear(parts[a_of[s]], (b * scale).to(h.dtype)) for s, b in lora_b.items()}
 
 
 def row_lora(
@@ -139,7 +140,7 @@ def row_lora(
         h = tensor_parallel.reduce_scatter_to_sequence_parallel_region(h)
     else:
         h = tensor_parallel.reduce_from_tensor_model_parallel_region(h)
-    return F.linear(h, lora_b.to(h.dtype)) * scale
+    return F.linear(h, (lora_b * scale).to(h.dtype))
 
 
 def _mark(p: nn.Parameter, *, sharded_dim: int | None, sp: bool) -> nn.Parameter:

@@ -2,8 +2,9 @@
 are in flight on each pipeline rank.
 
 Two implementations are modelled, because they save different tensors:
-- `local`: megatron's local layer spec (CPU runs): unfused attention keeps the [b, heads, s, s]
-  softmax, ftcore's RMSNorm keeps fp32 copies, frozen linears keep no input.
+- `local`: megatron's local layer spec (CPU runs) with torch SDPA as core attention (no
+  [b, heads, s, s] softmax kept, but an additive mask per layer), ftcore's RMSNorm keeps fp32
+  copies, frozen linears keep no input.
 - `te`: Transformer Engine's spec (GPU runs): flash attention (q, k, v, output, logsumexp), fused
   LayerNorm-Linear (input, rstd, normed output), fused SwiGLU (its input); FP8 linears keep their
   inputs quantized (1 byte).
@@ -105,13 +106,12 @@ def layer_parts(sh: Shape) -> dict[str, int]:
         parts["attn_norm"] = norm
         parts["qkv"] = T * hs * ab if _keeps_input(sh, "linear_qkv") else 0
         parts["rope"] = 4 * sh.sl * sh.d * ab
-        heads = sh.a // t
-        if sh.g < sh.a:  # k and v are expanded to every head (repeat_interleave)
-            qkv_saved = 3 * T * sh.q // t * ab
-        else:  # q, k rotated copies; v a view of the fused QKV output
-            qkv_saved = 2 * T * sh.q // t * ab + T * (sh.q + 2 * sh.kv) // t * ab
-        probs = sh.b * heads * sh.sl * sh.s * (4 + (ab if ab != 4 else 0))
-        parts["core_attn"] = qkv_saved + (0 if sh.recompute == "selective" else probs)
+        # SDPA (models/attention.py) keeps q, k (rotated copies) and v (a view of the fused QKV
+        # output) as they are, its output, the fp32 logsumexp and the mask as an additive
+        # [b, 1, s, s] tensor in the activation dtype.
+        qkv_saved = T * (sh.q + sh.kv) // t * ab + T * (sh.q + 2 * sh.kv) // t * ab
+        sdpa = T * sh.q // t * ab + sh.b * (sh.a // t) * sh.sl * 4 + sh.b * sh.sl * sh.s * ab
+        parts["core_attn"] = qkv_saved + (0 if sh.recompute == "selective" else sdpa)
         parts["proj"] = T * sh.q // t * ab if _keeps_input(sh, "linear_proj") else 0
         parts["mlp_norm"] = norm
         parts["fc1"] = T * hs * ab if _keeps_input(sh, "linear_fc1") else 0

@@ -1,4 +1,5 @@
-"""Run megatron-core on CPU (gloo): a test and dry-run backend, inactive whenever CUDA is used.
+"""Run megatron-core on CPU (gloo): a test and dry-run backend, inactive whenever CUDA is used
+(plus two CPU-only speed fixes at the end: the output layer's gradient layout, fused AdamW).
 
 megatron-core assumes CUDA in two ways (see shared/notes/megatron_on_cpu.md):
 1. calls into `torch.cuda` (current_device, RNG state, streams, synchronize): `activate()` replaces
@@ -140,3 +141,37 @@ def activate() -> None:
         new_state
     )
     _active = True
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; the gradient leaves contiguous."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def contiguous_output_grad(output_layer: torch.nn.Module) -> None:
+    """GPTModel returns logits.transpose(0, 1), so the output layer's gradient arrives as a
+    transposed view; megatron's linear backward (grad_output.matmul(weight)) then runs on CPU as a
+    batched matmul over an expanded weight, ~8x slower than one GEMM on a contiguous copy."""
+
+    def hook(module, args, output):
+        logits, bias = output
+        return _ContiguousGrad.apply(logits), bias
+
+    output_layer.register_forward_hook(hook)
+
+
+def fused_adam(optimizer) -> None:
+    """torch's AdamW as megatron builds it without Apex/TE runs one Python loop per tensor on
+    CPU (foreach and fused default to CUDA only); its fused CPU kernel does the same update."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            for group in inner.param_groups:
+                group["fused"], group["foreach"] = True, False

@@ -12,7 +12,12 @@ from tests.dist.layouts import build, full_weights, merge_weights
 from tests.dist.test_layout_parity import _close
 
 STEPS = 5
-RTOL = 1e-5
+RTOL = 1e-5  # losses and grad norms
+# Adapter weights after 5 Adam steps: Adam turns rounding in near-zero gradient elements into
+# lr-sized changes. With torch SDPA as the CPU attention the worst tensor measured 1.4e-5 at pp2
+# (under 1e-5 with megatron's baddbmm path): its CPU kernel blocks the work by thread count, and
+# each pipeline stage runs with its own threads.
+WEIGHT_RTOL = 3e-5
 ALL7 = "peft.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
 TARGETS = {"all7": [ALL7], "linear_qkv": ["peft.target_modules=[linear_qkv]"]}
 # B starts at zero; a larger lr makes the adapters move far enough in 5 steps for the A grads to matter.
@@ -25,12 +30,12 @@ LAYOUTS = {
 
 
 def _close_weights(got: dict, ref: dict, what: str) -> None:
-    """Each tensor within 1e-5 of its own norm (Adam turns rounding in near-zero gradient elements
-    into lr-sized element changes, so element-wise relative error is meaningless); zeros exactly."""
+    """Each tensor within WEIGHT_RTOL of its own norm (element-wise relative error is meaningless
+    for Adam-updated weights); zeros exactly."""
     assert got.keys() == ref.keys(), f"{what}: parameter names differ"
     for k, w in ref.items():
         diff = (got[k].double() - w.double()).norm().item()
-        assert diff <= RTOL * w.double().norm().item(), (
+        assert diff <= WEIGHT_RTOL * w.double().norm().item(), (
             f"{what} {k}: |diff| {diff:.2e} (|w| {w.norm():.2e})"
         )
 

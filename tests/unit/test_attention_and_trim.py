@@ -1,0 +1,145 @@
+"""Speed-ups that must not change the math: torch SDPA as the local core attention (vs megatron's
+own DotProductAttention path) and unpacked micro-batches cut to their longest row (vs padded to
+seq_len): the same loss and the same LoRA gradients for the same documents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftcore.config import compose
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory):
+    from ftcore import trainer
+    from ftcore.runtime import dist
+
+    cfg = compose([
+        "+exp=tiny_full", "peft=lora", "data.seq_len=64", "data.packing=false",
+        "train.global_batch_size=4", "train.micro_batch_size=2", "launcher.threads_per_rank=1",
+        f"run.dir={tmp_path_factory.mktemp('run')}", "checkpoint.resume=never",
+    ])  # fmt: skip
+    st = trainer.setup(cfg)
+    yield st
+    dist.teardown()
+
+
+def _loss_and_grads(state, mbs):
+    from ftcore import trainer
+
+    for chunk in state.model:
+        chunk.zero_grad_buffer()
+    s, n = trainer.run_batches(state, mbs, forward_only=False)
+    grads = {
+        name: p.main_grad.clone()
+        for chunk in state.model
+        for name, p in chunk.named_parameters()
+        if p.requires_grad
+    }
+    return s / n, grads
+
+
+def _close(a, b):
+    assert a[0] == pytest.approx(b[0], rel=1e-5)
+    assert a[1].keys() == b[1].keys() and len(a[1]) > 0
+    for k in a[1]:
+        torch.testing.assert_close(a[1][k], b[1][k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_trimmed_and_padded_microbatches_agree(state):
+    from ftcore.data.packing import make_microbatch
+
+    loader = state.loader
+    assert loader.multiple == 8
+    rows = loader.next_rows()
+    docs = [[loader.docs.docs[d] for d in r] for r in rows]
+    trimmed = [make_microbatch(docs[i : i + 2], loader._width(docs[i : i + 2]), 0) for i in (0, 2)]
+    padded = [make_microbatch(docs[i : i + 2], 64, 0) for i in (0, 2)]
+    widths = [mb.tokens.shape[1] for mb in trimmed]
+    longest = [max(sum(map(len, r)) for r in docs[i : i + 2]) for i in (0, 2)]
+    assert all(w < 64 and w % 8 == 0 and 0 <= w - n < 8 for w, n in zip(widths, longest)), widths
+    _close(_loss_and_grads(state, trimmed), _loss_and_grads(state, padded))
+
+
+def test_sdpa_matches_megatrons_attention_padded_and_packed(state, monkeypatch):
+    from ftcore.data.packing import make_microbatch
+    from ftcore.models.attention import SdpaAttention
+
+    docs = state.loader.docs.docs
+    rows = [[], [], []]
+    for d in docs:  # three rows of 64 filled with whole documents; a fourth row all padding
+        r = next((r for r in rows if sum(map(len, r)) + len(d) <= 64), None)
+        if r is None:
+            break
+        r.append(d)
+    assert max(len(r) for r in rows) > 1
+    packed = [make_microbatch(rows[:2], 64, 0), make_microbatch([rows[2], []], 64, 0)]
+    padded = state.loader.next_microbatches()
+    used = []
+    monkeypatch.setattr(SdpaAttention, "_megatron_only", lambda self: used.append(1) or False)
+    fast = [_loss_and_grads(state, mbs) for mbs in (padded, packed)]
+    assert used, "the model's core attention is SdpaAttention"
+    monkeypatch.setattr(SdpaAttention, "_megatron_only", lambda self: True)
+    slow = [_loss_and_grads(state, mbs) for mbs in (padded, packed)]
+    for a, b in zip(fast, slow):
+        _close(a, b)
+
+
+def test_contiguous_output_grad_keeps_the_input_gradient():
+    """The CPU hook on the output layer hands megatron's frozen-weight linear a contiguous
+    gradient instead of GPTModel's transposed view: the same input gradient."""
+    from megatron.core.tensor_parallel.layers import LinearWithFrozenWeight
+
+    from ftcore.runtime import cpu
+
+    class Out(torch.nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.w = w
+
+        def forward(self, x):
+            return LinearWithFrozenWeight.apply(x, self.w, None, False, None), None
+
+    torch.manual_seed(0)
+    w, x = torch.randn(64, 16), torch.randn(8, 2, 16)
+    g = torch.randn(2, 8, 64).transpose(0, 1)  # the transposed view GPTModel's logits hand back
+
+    def input_grad(layer):
+        xi = x.clone().requires_grad_()
+        logits, _ = layer(xi)
+        assert logits.shape == g.shape
+        logits.backward(g)
+        return xi.grad
+
+    hooked = Out(w)
+    cpu.contiguous_output_grad(hooked)
+    torch.testing.assert_close(input_grad(hooked), input_grad(Out(w)), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(input_grad(Out(w)), g.contiguous() @ w, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_adam_takes_the_same_step():
+    """cpu.fused_adam switches torch AdamW inside a megatron optimizer to its fused CPU kernel: the
+    same update as the per-tensor loop."""
+    from types import SimpleNamespace
+
+    from ftcore.runtime import cpu
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(33, 7)) for _ in range(3)]
+    grads = [torch.randn_like(p) for p in params]
+
+    def steps(fused):
+        ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        opt = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+        if fused:
+            cpu.fused_adam(SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=opt)]))
+            assert opt.param_groups[0]["fused"]
+        for _ in range(3):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            opt.step()
+        return ps
+
+    for a, b in zip(steps(True), steps(False)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
