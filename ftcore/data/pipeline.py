@@ -142,11 +142,12 @@ def trim_multiple(cfg) -> int | None:
     token's attention ignore it; cutting a micro-batch to its longest row (what HF's
     DataCollatorForSeq2Seq does) leaves the math unchanged. The width stays divisible by what the
     layout splits the sequence over: TP ranks under sequence parallelism, 2 x CP chunks, and
-    128 for FP8/FP4 GEMMs (Transformer Engine wants aligned token dimensions)."""
+    128 for FP8/FP4 GEMMs (Transformer Engine wants aligned token dimensions). On GPUs it is
+    rounded to 8 for tensor-core tiles; on CPU any width runs as fast, so it is not rounded."""
     d, p, prec = cfg.data, cfg.parallel, cfg.precision
     if d.packing or not d.trim_padding:
         return None
-    m = 8
+    m = 1 if cfg.cluster.device == "cpu" else 8
     if p.sp:
         m = math.lcm(m, p.tp)
     if p.cp > 1:

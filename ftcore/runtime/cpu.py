@@ -6,8 +6,9 @@ megatron-core assumes CUDA in two ways (see shared/notes/megatron_on_cpu.md):
    them with CPU equivalents once per process; this costs nothing per step.
 2. literal `device="cuda"` arguments, `.cuda()` and `Tensor.type() == "torch.cuda.FloatTensor"`
    checks: `device_mode()` is a TorchFunctionMode that rewrites them. It costs Python time on every
-   torch call, so ftcore enters it only around model/optimizer construction, the optimizer step and
-   checkpoint I/O, never around forward/backward (measured in the README).
+   torch call, so ftcore enters it only around model/optimizer construction, megatron's schedule
+   (its buffers), the optimizer step and checkpoint I/O, and leaves it for the forward, the loss
+   and the backward (`mode_suspended`; measured in the README).
 """
 
 from __future__ import annotations
@@ -140,7 +141,22 @@ def activate() -> None:
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: set_rng_state(
         new_state
     )
+    _suspend_in_backward()
     _active = True
+
+
+def _suspend_in_backward() -> None:
+    """megatron's backward_step allocates nothing on a device; without the mode, the Python
+    backward of its autograd functions (frozen linears, TP regions) runs ~2% faster."""
+    from megatron.core.pipeline_parallel import schedules
+
+    backward_step = schedules.backward_step
+
+    def suspended(*args, **kwargs):
+        with mode_suspended():
+            return backward_step(*args, **kwargs)
+
+    schedules.backward_step = suspended
 
 
 class _ContiguousGrad(torch.autograd.Function):
