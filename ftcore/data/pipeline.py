@@ -157,6 +157,28 @@ def trim_multiple(cfg) -> int | None:
     return m
 
 
+def row_width(rows: list[list[Doc]], seq_len: int, multiple: int | None) -> int:
+    """seq_len, or (trimming) the longest row rounded up to the layout's multiple."""
+    if multiple is None:
+        return seq_len
+    longest = max([sum(len(d) for d in r) for r in rows] + [2])
+    return min(seq_len, -(-longest // multiple) * multiple)
+
+
+def assemble(cfg, docs: Docs, rows: list[list[int]], pad_id: int) -> list[MicroBatch]:
+    """This rank's rows of one global batch (document ids) -> its micro-batches, each as wide as
+    row_width says; under PP all of a step's micro-batches take the widest (pipeline sends have
+    one shape per step). Training and evaluation both come through here."""
+    micro, multiple = cfg.train.micro_batch_size, trim_multiple(cfg)
+    groups = [
+        [[docs.docs[d] for d in r] for r in rows[i : i + micro]] for i in range(0, len(rows), micro)
+    ]
+    widths = [row_width(g, cfg.data.seq_len, multiple) for g in groups]
+    if cfg.parallel.pp > 1:
+        widths = [max(widths)] * len(widths)
+    return [make_microbatch(g, w, pad_id) for g, w in zip(groups, widths)]
+
+
 class TrainLoader:
     """This DP rank's micro-batches, step after step, from the endless deterministic stream."""
 
@@ -170,17 +192,12 @@ class TrainLoader:
                 fix="pick a global batch that is a multiple of micro_batch_size * dp",
             )
         self.docs, self.pad_id, self.seq_len = docs, pad_id, cfg.data.seq_len
-        self.global_batch, self.micro, self.dp_rank, self.per_rank = (
-            t.global_batch_size,
-            t.micro_batch_size,
-            dp_rank,
-            per_rank,
-        )
+        self.global_batch, self.dp_rank, self.per_rank = t.global_batch_size, dp_rank, per_rank
         lengths = np.asarray([len(d) for d in docs.docs], np.int64)
         self.sampler = Sampler(
             docs.source_ids, counts, lengths, cfg.data.seq_len, cfg.data.packing, cfg.run.seed
         )
-        self.multiple, self.one_width = trim_multiple(cfg), cfg.parallel.pp > 1
+        self.cfg = cfg
         self.report = self._report()
 
     def _report(self) -> dict:
@@ -206,22 +223,7 @@ class TrainLoader:
         return rows[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
 
     def next_microbatches(self) -> list[MicroBatch]:
-        rows = self.next_rows()
-        groups = [
-            [[self.docs.docs[d] for d in r] for r in rows[i : i + self.micro]]
-            for i in range(0, len(rows), self.micro)
-        ]
-        widths = [self._width(g) for g in groups]
-        if self.one_width:  # pipeline sends have one shape per step
-            widths = [max(widths)] * len(widths)
-        return [make_microbatch(g, w, self.pad_id) for g, w in zip(groups, widths)]
-
-    def _width(self, rows: list[list[Doc]]) -> int:
-        """seq_len, or (trimming) the longest row rounded up to the layout's multiple."""
-        if self.multiple is None:
-            return self.seq_len
-        longest = max([sum(len(d) for d in r) for r in rows] + [2])
-        return min(self.seq_len, -(-longest // self.multiple) * self.multiple)
+        return assemble(self.cfg, self.docs, self.next_rows(), self.pad_id)
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()
@@ -331,23 +333,18 @@ def build_val_batches(
         rows.sort(key=lambda r: r[0])
     else:
         rows = [[i] for i in range(len(docs.docs))]
-    g, micro = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    g = cfg.train.global_batch_size
     per_rank = g // dp_size
     rows += [[] for _ in range(-len(rows) % g)]
-    out = []
-    for k in range(0, len(rows), g):
-        mine = rows[k + dp_rank * per_rank : k + (dp_rank + 1) * per_rank]
-        out.append(
-            [
-                make_microbatch(
-                    [[docs.docs[d] for d in r] for r in mine[i : i + micro]],
-                    cfg.data.seq_len,
-                    tokenizer.pad_token_id,
-                )
-                for i in range(0, len(mine), micro)
-            ]
-        )
-    return out
+    return [
+        assemble(
+            cfg,
+            docs,
+            rows[k + dp_rank * per_rank : k + (dp_rank + 1) * per_rank],
+            tokenizer.pad_token_id,
+        )  # fmt: skip
+        for k in range(0, len(rows), g)
+    ]
 
 
 def _ffd(docs: Docs, seq_len: int) -> list[list[int]]:

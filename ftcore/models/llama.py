@@ -90,7 +90,8 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
 
 
 def layer_spec(cfg: DictConfig, config: TransformerConfig, *, on_cpu: bool, vp_stage, pp_rank):
-    """Local spec with an SP-capable RMSNorm and SDPA core attention on CPU; Transformer Engine's spec on GPU."""
+    """Local spec with an SP-capable RMSNorm and SDPA core attention on CPU; Transformer Engine's
+    spec on GPU."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     if not on_cpu:

@@ -1,5 +1,6 @@
 """Run megatron-core on CPU (gloo): a test and dry-run backend, inactive whenever CUDA is used
-(plus two CPU-only speed fixes at the end: the output layer's gradient layout, fused AdamW).
+(plus CPU-only speed fixes at the end: the mode left for megatron's backward, the output layer's
+gradient layout, fused AdamW).
 
 megatron-core assumes CUDA in two ways (see shared/notes/megatron_on_cpu.md):
 1. calls into `torch.cuda` (current_device, RNG state, streams, synchronize): `activate()` replaces

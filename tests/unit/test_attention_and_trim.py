@@ -49,12 +49,15 @@ def _close(a, b):
 
 def test_trimmed_and_padded_microbatches_agree(state):
     from ftcore.data.packing import make_microbatch
+    from ftcore.data.pipeline import row_width, trim_multiple
 
     loader = state.loader
-    assert loader.multiple == 1  # CPU: the longest row, not rounded
+    assert trim_multiple(state.cfg) == 1  # CPU: the longest row, not rounded
     rows = loader.next_rows()
     docs = [[loader.docs.docs[d] for d in r] for r in rows]
-    trimmed = [make_microbatch(docs[i : i + 2], loader._width(docs[i : i + 2]), 0) for i in (0, 2)]
+    trimmed = [
+        make_microbatch(docs[i : i + 2], row_width(docs[i : i + 2], 64, 1), 0) for i in (0, 2)
+    ]
     padded = [make_microbatch(docs[i : i + 2], 64, 0) for i in (0, 2)]
     widths = [mb.tokens.shape[1] for mb in trimmed]
     longest = [max(sum(map(len, r)) for r in docs[i : i + 2]) for i in (0, 2)]
