@@ -227,6 +227,9 @@ class PlanConfig:
     search: bool = False
     enforce: bool = True
     top: int = 10
+    # share of token positions that are loss targets; logits and the last layer's MLP run only
+    # there (models/target_logits.py). 1.0 (every position) bounds memory and time from above.
+    target_fraction: float = 1.0
 
 
 @dataclass

@@ -16,6 +16,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from ftcore.data.packing import cu_seqlens_from_segments
 from ftcore.data.pipeline import MicroBatch, attention_mask_from_segments
+from ftcore.models import target_logits
 from ftcore.models.sharding import unwrap
 from ftcore.runtime import cpu
 
@@ -32,18 +33,23 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Per-position cross entropy [b, s] from vocab-parallel logits [b, s, v/tp]."""
-    logits = mask_padded_vocab(logits.float(), vocab_size)
-    return tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), labels)
+    logits = mask_padded_vocab(logits.float(), vocab_size).contiguous()
+    if logits._base is not None:  # megatron's cross entropy works in place: not on a view
+        logits = logits.clone()
+    return tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
 
 
-def loss_func(mb: MicroBatch, vocab_size: int, output: torch.Tensor):
+def loss_func(mb: MicroBatch, vocab_size: int, rows, output: torch.Tensor):
     with cpu.mode_suspended():
-        return _loss(mb, vocab_size, output)
+        return _loss(mb, vocab_size, rows, output)
 
 
-def _loss(mb: MicroBatch, vocab_size: int, output: torch.Tensor):
-    losses = token_losses(output, mb.labels.to(output.device), vocab_size)
-    mask = mb.loss_mask.to(losses.device)
+def _loss(mb: MicroBatch, vocab_size: int, rows, output: torch.Tensor):
+    """rows: the positions the logits were computed at (models/target_logits.py), or None."""
+    labels, mask = mb.labels.to(output.device), mb.loss_mask.to(output.device)
+    if rows is not None:
+        labels, mask = target_logits.at_rows(labels, rows), target_logits.at_rows(mask, rows)
+    losses = token_losses(output, labels, vocab_size)
     loss_sum = (losses * mask).sum()
     num_tokens = mask.sum().to(torch.int)
     return loss_sum, num_tokens, {"lm": torch.stack([loss_sum.detach(), mask.sum()])}
@@ -62,19 +68,22 @@ def forward_step(data_iterator, model):
     """One micro-batch through this stage's chunk; the loss only on the last stage.
 
     On CPU (local attention) packed documents are kept apart by a block-diagonal causal mask; on
-    GPU with Transformer Engine, packed rows go in as THD (cu_seqlens) and plain rows as causal."""
+    GPU with Transformer Engine, packed rows go in as THD (cu_seqlens) and plain rows as causal.
+    The output layer runs at the target positions only where it can (models/target_logits.py)."""
     mb: MicroBatch = next(data_iterator)
     device = next(model.parameters()).device
+    chunk = unwrap(model)
+    rows = target_logits.rows_of(mb.loss_mask).to(device) if target_logits.applies(chunk) else None
     kwargs = {}
-    if not getattr(unwrap(model), "uses_te", False):
+    if not getattr(chunk, "uses_te", False):
         mask = attention_mask_from_segments(mb.segment_ids).to(device)
     else:
         mask = None
         if int(mb.segment_ids.max()) > 1:
             kwargs["packed_seq_params"] = packed_seq_params(mb, device)
-    with cpu.mode_suspended():
+    with cpu.mode_suspended(), target_logits.only_at(chunk, rows):
         output = model(mb.tokens.to(device), mb.position_ids.to(device), mask, **kwargs)
-    return output, partial(loss_func, mb, unwrap(model).vocab_size_unpadded)
+    return output, partial(loss_func, mb, chunk.vocab_size_unpadded, rows)
 
 
 def microbatch_iterators(microbatches: list[MicroBatch], num_chunks: int):

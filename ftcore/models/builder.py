@@ -8,6 +8,7 @@ from megatron.core.models.gpt import GPTModel
 from omegaconf import DictConfig
 
 from ftcore import precision
+from ftcore.models import target_logits
 from ftcore.models.init import init_weights
 from ftcore.models.llama import layer_spec, padded_vocab_size, transformer_config
 from ftcore.runtime import cpu
@@ -42,6 +43,8 @@ def build_model(cfg: DictConfig, *, vocab_size: int | None = None) -> list[GPTMo
             )
             chunk.vocab_size_unpadded = vocab
             chunk.uses_te = not on_cpu and precision.use_te(cfg)  # step.py: THD packing, no mask
+            if chunk.post_process:
+                target_logits.install(chunk)
             if not on_cpu:
                 chunk.cuda(torch.cuda.current_device())
             elif chunk.post_process:

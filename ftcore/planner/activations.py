@@ -49,6 +49,12 @@ class Shape:
     lora_a: tuple[tuple[str, int], ...]  # (linear, number of A matrices)
     r: int
     recompute: str
+    targets_frac: float = 1.0  # positions the last stage computes logits at (target_logits.py)
+    mlp_picks: bool = False  # the last layer's MLP runs at those positions only
+
+    @property
+    def target_tokens(self) -> int:
+        return max(1, round(self.tokens * self.targets_frac))
 
     @property
     def tokens(self) -> int:
@@ -64,6 +70,8 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
     m, p, pr = cfg.model, cfg.parallel, cfg.precision
     d = m.kv_channels or m.hidden_size // m.num_attention_heads
     te = cfg.cluster.device != "cpu"
+    quant = bool(pr.fp8_recipe or pr.fp4_recipe)
+    picks = not p.sp and p.cp == 1  # models/target_logits.py: applies()
     return Shape(
         s=cfg.data.seq_len,
         sl=cfg.data.seq_len // p.cp,
@@ -79,13 +87,15 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
         tp=p.tp,
         sp=bool(p.sp),
         ab=DTYPE_BYTES[pr.params_dtype],
-        fp8=te and bool(pr.fp8_recipe or pr.fp4_recipe),
+        fp8=te and quant,
         impl="te" if te else "local",
         full=cfg.peft.name == "none",
         targets=tuple(lora_plan(cfg)),
         lora_a=tuple((k, len(set(v.values()))) for k, v in lora_plan(cfg).items()),
         r=cfg.peft.r,
         recompute=p.recompute,
+        targets_frac=min(1.0, float(cfg.plan.target_fraction)) if picks else 1.0,
+        mlp_picks=picks and p.recompute != "full" and not quant,
     )
 
 
@@ -139,15 +149,30 @@ def layer_parts(sh: Shape) -> dict[str, int]:
         parts["fc2"] = T * sh.f // t * lin_b if _keeps_input(sh, "linear_fc2") else 0
     # Adapters keep A·x for B's gradient: [s, b, r] per A after the column gather, [s(/tp), b, r]
     # after the row reduction.
-    lora = 0
-    for module, n_a in sh.lora_a:
-        lora += (
-            T * sh.r * n_a
-            if module in ("linear_qkv", "linear_fc1")
-            else T * sh.r // (t if sh.sp else 1)
-        )
-    parts["lora"] = lora * ab
+    parts["lora"] = sum(_lora_saved(sh, module, n_a) for module, n_a in sh.lora_a) * ab
     return parts
+
+
+def _lora_saved(sh: Shape, module: str, n_a: int) -> int:
+    if module in ("linear_qkv", "linear_fc1"):
+        return sh.tokens * sh.r * n_a
+    return sh.tokens * sh.r // (sh.tp if sh.sp else 1)
+
+
+MLP_PARTS = ("mlp_norm", "fc1", "swiglu", "fc2")
+
+
+def last_mlp_saving(sh: Shape) -> int:
+    """Bytes the last layer's MLP does not save when it runs at the target positions only."""
+    if not sh.mlp_picks or sh.recompute == "full":
+        return 0
+    parts = layer_parts(sh)
+    mlp = sum(parts[k] for k in MLP_PARTS)
+    mlp += (
+        sum(_lora_saved(sh, k, n) for k, n in sh.lora_a if k in ("linear_fc1", "linear_fc2"))
+        * sh.ab
+    )
+    return round(mlp * (1 - sh.target_tokens / sh.tokens))
 
 
 def layer_bytes(sh: Shape) -> int:
@@ -158,19 +183,24 @@ def layer_bytes(sh: Shape) -> int:
 
 
 def loss_bytes(sh: Shape) -> dict[str, int]:
-    """Last stage: final norm, output-layer input, the cross entropy's fp32 softmax."""
-    T = sh.tokens
+    """Last stage: final norm, output-layer input, the cross entropy's fp32 softmax (at the target
+    positions only, and the final norm too when the last MLP picked them)."""
+    T = sh.target_tokens if sh.mlp_picks else sh.tokens
     if sh.impl == "local":
         norm = T * sh.hs * 4 + T * 4 + (T * sh.hs * 4 if sh.full else 0)
     else:
         norm = T * sh.hs * sh.ab + T * 4
-    head_in = T * sh.hs * sh.ab if sh.full else 0
-    return {"final_norm": norm, "output_layer": head_in, "loss": T * sh.vocab // sh.tp * 4}
+    head_in = sh.target_tokens * sh.hs * sh.ab if sh.full else 0
+    return {
+        "final_norm": norm,
+        "output_layer": head_in,
+        "loss": sh.target_tokens * sh.vocab // sh.tp * 4,
+    }
 
 
 def logits_transient(sh: Shape) -> int:
     """Last stage, at the loss: the logits and their fp32 copy live beside the saved softmax."""
-    return sh.tokens * sh.vocab // sh.tp * (sh.ab + 4)
+    return sh.target_tokens * sh.vocab // sh.tp * (sh.ab + 4)
 
 
 def recompute_transient(sh: Shape) -> int:

@@ -184,7 +184,9 @@ def stage_memory(
     layer = act.layer_bytes(sh)
     layer_mb, inputs = act.in_flight_layers(cfg, pp_rank, num_micro)
     last = pp_rank == p.pp - 1
-    saved = layer * layer_mb
+    split = split_layers(cfg.model.num_layers, p.pp, p.vp)
+    holds_last_layer = last and split[pp_rank][-1] > 0
+    saved = layer * layer_mb - (act.last_mlp_saving(sh) if holds_last_layer else 0)
     loss = sum(act.loss_bytes(sh).values()) if last else 0
     # The schedule keeps each in-flight micro-batch's stage input; the first layer saves that same
     # tensor (TE's norm, the recompute checkpoint, fp32 norms) except ftcore's RMSNorm on a bf16
@@ -201,7 +203,6 @@ def stage_memory(
     logits = act.logits_transient(sh) if last else 0
     recompute = act.recompute_transient(sh)
     activations = saved + pipe + mask + max(loss + logits, recompute)
-    split = split_layers(cfg.model.num_layers, p.pp, p.vp)
     return StageMemory(
         pp_rank=pp_rank,
         layers=sum(split[pp_rank]),

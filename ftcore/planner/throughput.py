@@ -104,7 +104,7 @@ def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
     hbm = max(c.hbm_gbps, 1e-3) * 1e9 * HBM_EFFICIENCY
     t += w.layers * elementwise_bytes(sh) / hbm
     if pp_rank == p.pp - 1:
-        t += sh.tokens * sh.vocab / sh.tp * 20 / hbm  # logits, fp32 softmax, its gradient
+        t += sh.target_tokens * sh.vocab / sh.tp * 20 / hbm  # logits, fp32 softmax, its gradient
     passes = 2 + (1 if p.recompute == "full" else 0)
     # host cost per layer and micro-batch (Python, autograd, kernel launches); a full recompute
     # runs the forward (a third of the work) twice

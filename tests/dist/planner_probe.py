@@ -101,5 +101,18 @@ def peak_saved_bytes(state) -> int:
 
 
 def activation_case(overrides: list[str], run_dir: str) -> dict:
+    """Also the largest share of target positions in a micro-batch of the step: the planner's
+    plan.target_fraction for the logits and the last layer's MLP."""
     state = build(overrides, run_dir)
-    return {"pp_rank": ps.get_pipeline_model_parallel_rank(), "saved": peak_saved_bytes(state)}
+    fractions = []
+    next_microbatches = state.loader.next_microbatches
+
+    def recorded():
+        mbs = next_microbatches()
+        fractions.extend(float(mb.loss_mask.mean()) for mb in mbs)
+        return mbs
+
+    state.loader.next_microbatches = recorded
+    saved = peak_saved_bytes(state)
+    return {"pp_rank": ps.get_pipeline_model_parallel_rank(), "saved": saved,
+            "target_fraction": max(fractions)}  # fmt: skip

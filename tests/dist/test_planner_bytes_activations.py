@@ -44,8 +44,8 @@ CASES = {
 
 
 def _check(results: list[dict], overrides: list[str], world: int) -> None:
-    cfg = compose(TINY + overrides)
     for r in results:
+        cfg = compose([*TINY, *overrides, f"plan.target_fraction={r['target_fraction']}"])
         parts = stage_memory(cfg, world, r["pp_rank"]).parts
         peak = max(parts["loss_activations"], parts["recompute_transient"])  # forward vs backward
         predicted = parts["saved_activations"] + parts["masks"] + peak

@@ -65,19 +65,24 @@ def test_trimmed_and_padded_microbatches_agree(state):
     _close(_loss_and_grads(state, trimmed), _loss_and_grads(state, padded))
 
 
-def test_sdpa_matches_megatrons_attention_padded_and_packed(state, monkeypatch):
+def _packed(docs):
+    """Two micro-batches: three rows of 64 filled with whole documents, a fourth all padding."""
     from ftcore.data.packing import make_microbatch
-    from ftcore.models.attention import SdpaAttention
 
-    docs = state.loader.docs.docs
     rows = [[], [], []]
-    for d in docs:  # three rows of 64 filled with whole documents; a fourth row all padding
+    for d in docs:
         r = next((r for r in rows if sum(map(len, r)) + len(d) <= 64), None)
         if r is None:
             break
         r.append(d)
     assert max(len(r) for r in rows) > 1
-    packed = [make_microbatch(rows[:2], 64, 0), make_microbatch([rows[2], []], 64, 0)]
+    return [make_microbatch(rows[:2], 64, 0), make_microbatch([rows[2], []], 64, 0)]
+
+
+def test_sdpa_matches_megatrons_attention_padded_and_packed(state, monkeypatch):
+    from ftcore.models.attention import SdpaAttention
+
+    packed = _packed(state.loader.docs.docs)
     padded = state.loader.next_microbatches()
     used = []
     monkeypatch.setattr(SdpaAttention, "_megatron_only", lambda self: used.append(1) or False)
@@ -163,3 +168,44 @@ def test_fused_adam_takes_the_same_step():
 
     for a, b in zip(steps(True), steps(False)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_logits_at_targets_only_match_every_position(state, monkeypatch):
+    """models/target_logits.py: the last layer's MLP and the output layer at the target positions
+    only (the shapes prove it ran) give the loss and gradients of computing every position."""
+    from ftcore.models import target_logits
+
+    chunk = state.model[-1].module
+    seen = {}
+    hooks = [
+        chunk.decoder.layers[-1].mlp.register_forward_hook(
+            lambda m, a, o: seen.__setitem__("mlp", a[0].shape[:2])
+        ),
+        chunk.output_layer.register_forward_hook(
+            lambda m, a, o: seen.__setitem__("logits", o[0].shape[:2])
+        ),
+    ]
+    packed = _packed(state.loader.docs.docs)
+    padded = state.loader.next_microbatches()
+    targets = int(padded[0].loss_mask.sum())
+    assert 0 < targets < padded[0].loss_mask.numel()
+    fast = [_loss_and_grads(state, mbs) for mbs in (padded, packed)]
+    assert seen == {"mlp": (int(packed[1].loss_mask.sum()), 1), "logits": seen["mlp"]}
+    monkeypatch.setattr(target_logits, "applies", lambda chunk: False)
+    slow = [_loss_and_grads(state, mbs) for mbs in (padded, packed)]
+    assert seen["mlp"] == packed[1].tokens.shape[::-1]  # every position: [s, b]
+    for h in hooks:
+        h.remove()
+    for a, b in zip(fast, slow):
+        _close(a, b)
+
+
+def test_target_rows_follow_megatrons_sequence_first_order():
+    from ftcore.models import target_logits
+
+    mask = torch.tensor([[0, 1, 1, 0], [1, 0, 0, 1]])  # [b, s]
+    rows = target_logits.rows_of(mask)
+    assert rows.tolist() == [1, 2, 4, 7]  # flattened [s, b]: position * b + sample
+    labels = torch.arange(8).reshape(2, 4)
+    assert target_logits.at_rows(labels, rows).tolist() == [[4, 1, 2, 7]]
+    assert target_logits.rows_of(torch.zeros(2, 4, dtype=torch.long)).tolist() == [0]

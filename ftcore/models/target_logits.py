@@ -1,0 +1,95 @@
+"""The output layer at target positions only.
+
+Fine-tuning data trains on responses: in the bundled instruction set 15% of the tokens are
+targets. Logits at the other positions feed a cross entropy that the loss mask multiplies by zero,
+yet they cost a [tokens x hidden x vocab] GEMM forward and backward, several passes over
+[tokens x vocab] in the loss, and the last layer's MLP, whose output feeds nothing else. So the
+last stage gathers the hidden states at the target positions ([n, 1, h]) before the last layer's
+MLP (or, where that cannot be done, before the output layer), and the loss gathers labels and
+mask the same way: the same sum over the same targets, and the same gradients (the gather's
+backward scatters them back into [s, b, h]).
+
+Not under sequence or context parallelism, where a rank holds only part of the sequence before the
+output layer: every position is computed there, as before.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+def applies(chunk) -> bool:
+    """This chunk computes logits and holds the whole sequence when it does."""
+    c = chunk.config
+    return bool(chunk.post_process) and not c.sequence_parallel and c.context_parallel_size == 1
+
+
+def rows_of(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Indices of the target positions in the flattened [s, b] order of megatron's hidden states
+    (loss_mask is [b, s]); at least one row, so an all-padding micro-batch keeps its shapes."""
+    rows = loss_mask.t().reshape(-1).nonzero().squeeze(1)
+    return rows if rows.numel() else rows.new_zeros(1)
+
+
+def at_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """A [b, s] tensor (labels, loss mask) at the selected positions, as [1, n] like the logits."""
+    return t.t().reshape(-1).index_select(0, rows.to(t.device)).unsqueeze(0)
+
+
+def _pick(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[s, b, h] -> [n, 1, h] at the flattened positions `rows`."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return flat.index_select(0, rows.to(hidden.device)).unsqueeze(1)
+
+
+def _mlp_can_pick(chunk) -> bool:
+    """The last layer's MLP may run at the targets only unless full recompute reruns the layer
+    after `only_at` has ended, or FP8/FP4 GEMMs need the token count in multiples of 16."""
+    c = chunk.config
+    layers = chunk.decoder.layers if chunk.decoder is not None else []
+    fp4 = getattr(c, "fp4", None)
+    return len(layers) > 0 and c.recompute_granularity != "full" and not c.fp8 and not fp4
+
+
+def install(chunk) -> None:
+    """Hooks that read the rows `only_at` sets: the last layer's MLP (and what follows: residual,
+    final norm, output layer) runs at [n, 1, h] where it can; otherwise the output layer's input
+    is picked. Attention still sees every position, as the keys and values need them."""
+    chunk._ftcore_pick = None
+
+    def output_layer_hook(module, args, kwargs):
+        pick = chunk._ftcore_pick
+        if pick is None or pick["done"]:
+            return None
+        pick["done"] = True
+        return (_pick(args[0], pick["rows"]), *args[1:]), kwargs
+
+    chunk.output_layer.register_forward_pre_hook(output_layer_hook, with_kwargs=True)
+    if not _mlp_can_pick(chunk):
+        return
+    last = chunk.decoder.layers[-1]
+    forward_mlp = last._forward_mlp
+
+    def picked_mlp(hidden_states, *args, **kwargs):
+        pick = chunk._ftcore_pick
+        if pick is not None and not pick["done"]:
+            pick["done"] = True
+            hidden_states = _pick(hidden_states, pick["rows"])
+        return forward_mlp(hidden_states, *args, **kwargs)
+
+    last._forward_mlp = picked_mlp
+
+
+@contextmanager
+def only_at(chunk, rows: torch.Tensor | None):
+    """Logits at `rows` only during this forward (None: every position)."""
+    if rows is None or not chunk.post_process:
+        yield
+        return
+    chunk._ftcore_pick = {"rows": rows, "done": False}
+    try:
+        yield
+    finally:
+        chunk._ftcore_pick = None
