@@ -65,8 +65,9 @@ def instrument(state, timers: Timers) -> None:
 
     trainer.run_batches = timers.wrap("fwd_bwd", trainer.run_batches)
     state.loader.next_microbatches = timers.wrap("data", state.loader.next_microbatches)
-    for name in ("prepare_grads", "get_grad_norm", "step"):
+    for name in ("prepare_grads", "get_grad_norm"):
         setattr(state.optimizer, name, timers.wrap("optimizer", getattr(state.optimizer, name)))
+    trainer.optim.step_with_norm = timers.wrap("optimizer", trainer.optim.step_with_norm)
     config = state.model[0].config
     config.finalize_model_grads_func = timers.wrap("grad_sync", config.finalize_model_grads_func)
     comm = p2p_communication.P2PCommunicator

@@ -58,3 +58,23 @@ def build_scheduler(cfg: DictConfig, optimizer) -> OptimizerParamScheduler:
         wd_incr_steps=max(steps, 1),
         wd_incr_style="constant",
     )
+
+
+def step_with_norm(optimizer, grad_norm: float) -> bool:
+    """The rest of megatron's ChainedOptimizer.step once the trainer has run prepare_grads and
+    get_grad_norm (to skip non-finite steps before any update): clip by that norm, then update.
+    Calling step() instead would prepare the gradients and compute their norm a second time."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "is_stub_optimizer", False) or opt.config.clip_grad <= 0.0:
+            continue
+        params = opt.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(
+                params,
+                max_norm=opt.config.clip_grad,
+                total_norm=grad_norm,
+                use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
+    return bool(optimizer.step_with_ready_grads())

@@ -16,7 +16,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from ftcore.data.packing import cu_seqlens_from_segments
 from ftcore.data.pipeline import MicroBatch, attention_mask_from_segments
-from ftcore.models import target_logits
+from ftcore.models import attention, target_logits
 from ftcore.models.sharding import unwrap
 from ftcore.runtime import cpu
 
@@ -77,6 +77,9 @@ def forward_step(data_iterator, model):
     kwargs = {}
     if not getattr(chunk, "uses_te", False):
         mask = attention_mask_from_segments(mb.segment_ids).to(device)
+        if int(mb.segment_ids.max()) > 1 and chunk.config.context_parallel_size == 1:
+            # packed rows: attend document by document (models/attention.py)
+            mask = attention.with_documents(mask, attention.documents(mb.segment_ids).to(device))
     else:
         mask = None
         if int(mb.segment_ids.max()) > 1:

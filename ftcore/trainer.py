@@ -18,6 +18,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from omegaconf import DictConfig, OmegaConf
 
 from ftcore import metrics as metrics_mod
+from ftcore import optim
 from ftcore.errors import FtcoreError, StopRequested
 from ftcore.runtime import cpu, signals
 from ftcore.runtime import dist as rdist
@@ -186,15 +187,14 @@ def train_step(state: TrainState) -> dict:
                 "skipped": True,
                 "target_tokens": target_tokens,
             }
-        ok, grad_norm, _ = state.optimizer.step()
-    grad_norm = float(grad_norm) if grad_norm is not None else 0.0
-    if not ok or not math.isfinite(grad_norm):
-        return {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "skipped": True,
-            "target_tokens": target_tokens,
-        }
+        if not optim.step_with_norm(state.optimizer, norm):
+            return {
+                "loss": loss,
+                "grad_norm": norm,
+                "skipped": True,
+                "target_tokens": target_tokens,
+            }
+    grad_norm = norm
     state.scheduler.step(increment=1)
     (tokens,) = _reduce_sums([float(sum(mb.num_tokens for mb in microbatches))], _is_data_rank())
     state.consumed_samples += cfg.train.global_batch_size

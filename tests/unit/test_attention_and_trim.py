@@ -84,10 +84,15 @@ def test_sdpa_matches_megatrons_attention_padded_and_packed(state, monkeypatch):
 
     packed = _packed(state.loader.docs.docs)
     padded = state.loader.next_microbatches()
-    used = []
+    used, per_doc = [], []
     monkeypatch.setattr(SdpaAttention, "_megatron_only", lambda self: used.append(1) or False)
+    by_document = SdpaAttention._per_document
+    monkeypatch.setattr(
+        SdpaAttention, "_per_document", lambda self, *a: per_doc.append(1) or by_document(self, *a)
+    )
     fast = [_loss_and_grads(state, mbs) for mbs in (padded, packed)]
     assert used, "the model's core attention is SdpaAttention"
+    assert len(per_doc) == len(used) // 2, "packed rows (half the calls) attend per document"
     monkeypatch.setattr(SdpaAttention, "_megatron_only", lambda self: True)
     slow = [_loss_and_grads(state, mbs) for mbs in (padded, packed)]
     for a, b in zip(fast, slow):
@@ -209,3 +214,62 @@ def test_target_rows_follow_megatrons_sequence_first_order():
     labels = torch.arange(8).reshape(2, 4)
     assert target_logits.at_rows(labels, rows).tolist() == [[4, 1, 2, 7]]
     assert target_logits.rows_of(torch.zeros(2, 4, dtype=torch.long)).tolist() == [0]
+
+
+def test_documents_cover_every_position_once_in_length_buckets():
+    from ftcore.models.attention import documents
+
+    seg = torch.tensor([[1, 1, 1, 2, 0, 0], [1, 1, 2, 2, 2, 3]])  # [b, s]; flat = pos * b + row
+    d = documents(seg, min_width=2)
+    assert [t.tolist() for t in d.buckets] == [[[1, 3]], [[0, 2, 4, 0], [5, 7, 9, 5]]]
+    assert [t.tolist() for t in d.kept] == [[0, 1], [0, 1, 2, 4, 5, 6]]
+    assert d.singles.tolist() == [6, 8, 10, 11]  # one-token documents and padding
+    placed = torch.cat([b.view(-1)[k] for b, k in zip(d.buckets, d.kept)] + [d.singles])
+    assert placed[d.order].tolist() == list(range(12))
+
+
+def test_step_with_norm_is_megatrons_step(state):
+    """trainer.train_step computes the gradient norm once (to skip non-finite steps), then
+    optim.step_with_norm clips by it and updates: the same parameters as megatron's step(), with
+    a clip that bites."""
+    import copy
+
+    from ftcore import optim, trainer
+    from ftcore.runtime import cpu
+
+    opt = state.optimizer
+    inner = [o.optimizer for o in opt.chained_optimizers]
+    params = [p for chunk in state.model for p in chunk.parameters() if p.requires_grad]
+    start = [p.detach().clone() for p in params]
+    saved = [copy.deepcopy(i.state_dict()) for i in inner]
+    for chunk in state.model:
+        chunk.zero_grad_buffer()
+    trainer.run_batches(state, state.loader.next_microbatches(), forward_only=False)
+    grads = [p.main_grad.clone() for p in params]
+    for o in opt.chained_optimizers:
+        o.config.clip_grad = 1e-3  # far below the norm: every gradient is scaled
+    for i in inner:
+        for g in i.param_groups:
+            g["lr"] = 1e-2
+
+    def restart():
+        for p, p0, g in zip(params, start, grads):
+            p.data.copy_(p0)
+            p.main_grad.copy_(g)
+        for i, sd in zip(inner, saved):
+            i.load_state_dict(copy.deepcopy(sd))
+            for g in i.param_groups:
+                g["lr"] = 1e-2
+
+    with cpu.device_mode():  # megatron's optimizer makes its tensors on "cuda"
+        ok, norm_ref, _ = opt.step()
+        ref = [p.detach().clone() for p in params]
+        restart()
+        assert not opt.prepare_grads()
+        norm = float(opt.get_grad_norm())
+        assert optim.step_with_norm(opt, norm)
+    assert ok and norm == pytest.approx(float(norm_ref), rel=1e-6) and norm > 1e-2
+    moved = max(float((a - b).abs().max()) for a, b in zip(ref, start))
+    assert moved > 1e-4
+    for a, b in zip(params, ref):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-6, atol=1e-7)
