@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 SPLIT = ("data", "fwd_bwd", "tp_comm", "grad_sync", "pp_p2p", "optimizer", "other")
@@ -111,26 +112,62 @@ def layouts_md(lines: list[dict]) -> list[str]:
     return out
 
 
-def cpu_vs_hf_md(lines: list[dict]) -> list[str]:
-    hf = next((ln for ln in lines if ln.get("side") == "hf" and ln.get("status") == "ok"), None)
+def summary(lines: list[dict]) -> list[dict]:
+    """Per run label, over the rounds: median tokens/s, and the median and range of its ratio to
+    the HF run of the same round."""
+    out = []
+    for label in dict.fromkeys(ln["label"] for ln in lines):
+        ok = [ln for ln in lines if ln["label"] == label and ln.get("status") == "ok"]
+        if not ok:
+            continue
+        ratios = [ln["ratio_vs_hf"] for ln in ok if ln.get("ratio_vs_hf")]
+        out.append({
+            "label": label, "side": ok[0].get("side"), "rounds": len(ok),
+            "tokens_per_s": statistics.median(ln["tokens_per_s"] for ln in ok),
+            "ratio": statistics.median(ratios) if ratios else None,
+            "ratio_range": (min(ratios), max(ratios)) if ratios else None,
+            "eval_loss_rel_diff": max((ln.get("eval_loss_rel_diff") or 0.0 for ln in ok), key=abs),
+        })  # fmt: skip
+    return out
+
+
+def _summary_md(lines: list[dict]) -> list[str]:
     out = [
-        "| side | run | steps | non-padding tokens | wall s | tokens/s | × HF | tokens/CPU-s | × HF (CPU) "
+        "| run | rounds | median tokens/s | median × HF (same round) | range × HF | largest eval-loss Δ |",
+        "|---|---:|---:|---:|---|---:|",
+    ]
+    for s in summary(lines):
+        lo_hi = s["ratio_range"]
+        out.append(
+            f"| {s['label']} | {s['rounds']} | {_f(s['tokens_per_s'])} "
+            f"| {_f(s['ratio'] if s['side'] != 'hf' else 1.0, '.2f')} "
+            f"| {f'{lo_hi[0]:.2f}–{lo_hi[1]:.2f}' if lo_hi else '–'} "
+            f"| {_f(100 * s['eval_loss_rel_diff'], '+.1f')}% |"
+        )
+    return [*out, ""]
+
+
+def cpu_vs_hf_md(lines: list[dict]) -> list[str]:
+    out = _summary_md(lines) if any(ln.get("round", 1) > 1 for ln in lines) else []
+    out += [
+        "| round | side | run | steps | non-padding tokens | wall s | tokens/s | × HF | tokens/CPU-s | × HF (CPU) "
         "| eval loss | Δ vs HF | peak GiB | threads | epoch split s: data / fwd+bwd / optimizer / other |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for ln in lines:
+        rnd = ln.get("round", 1)
         if ln.get("status") != "ok":
             out.append(
-                f"| {ln.get('side')} | {ln['label']} | failed: {ln.get('error', '')[:120]} ||||||||"
+                f"| {rnd} | {ln.get('side')} | {ln['label']} "
+                f"| failed: {ln.get('error', '')[:120]} ||||||||"
             )
             continue
-        ratio = ln.get("ratio_vs_hf") if ln.get("side") == "ftcore" else (1.0 if hf else None)
-        ratio_cpu = (
-            ln.get("ratio_vs_hf_cpu") if ln.get("side") == "ftcore" else (1.0 if hf else None)
-        )
+        hf = ln.get("side") == "hf"
+        ratio = 1.0 if hf else ln.get("ratio_vs_hf")
+        ratio_cpu = 1.0 if hf else ln.get("ratio_vs_hf_cpu")
         diff = ln.get("eval_loss_rel_diff")
         out.append(
-            f"| {ln['side']} | {ln['label']} | {ln['steps']} | {ln['tokens']} | {_f(ln['wall_s'], '.1f')} "
+            f"| {rnd} | {ln['side']} | {ln['label']} | {ln['steps']} | {ln['tokens']} | {_f(ln['wall_s'], '.1f')} "
             f"| {_f(ln['tokens_per_s'])} | {_f(ratio, '.2f')} | {_f(ln.get('tokens_per_cpu_s'))} "
             f"| {_f(ratio_cpu, '.2f')} | {_f(ln['eval_loss'], '.4f')} "
             f"| {_f(diff and 100 * diff, '+.1f')}{'%' if diff is not None else ''} "
@@ -138,7 +175,8 @@ def cpu_vs_hf_md(lines: list[dict]) -> list[str]:
         )
     out += [
         "",
-        "One epoch over the same documents each; tokens/s = non-padding tokens / wall time of the "
+        "One epoch over the same documents each (each round: the HF recipe, then every ftcore run; "
+        "ratios are to the HF run of the same round); tokens/s = non-padding tokens / wall time of the "
         "epoch (HF: trainer.train(); ftcore: the training steps); tokens/CPU-s divides by the CPU "
         "seconds of the process instead (all threads; less sensitive to other load). Eval loss: per-token cross entropy "
         "over every target token of the validation set after the epoch; a ratio counts only when the "
@@ -168,13 +206,15 @@ def plot(lines: list[dict], path: Path) -> None:
     labels = [ln["label"] for ln in ok]
     x = range(len(ok))
     if lines and lines[0].get("kind") == "cpu_vs_hf":
-        vals = [ln["tokens_per_s"] for ln in ok]
-        colors = ["tab:gray" if ln.get("side") == "hf" else "tab:blue" for ln in ok]
+        ok = summary(lines)  # medians over the rounds
+        labels, x = [s["label"] for s in ok], range(len(ok))
+        vals = [s["tokens_per_s"] for s in ok]
+        colors = ["tab:gray" if s["side"] == "hf" else "tab:blue" for s in ok]
         ax.bar(x, vals, color=colors)
-        ax.set_ylabel("non-padding tokens/s (one process)")
-        for i, ln in enumerate(ok):
-            if ln.get("ratio_vs_hf"):
-                ax.annotate(f"{ln['ratio_vs_hf']:.2f}x", (i, vals[i]), ha="center", va="bottom")
+        ax.set_ylabel("non-padding tokens/s (one process; median of rounds)")
+        for i, s in enumerate(ok):
+            if s["ratio"]:
+                ax.annotate(f"{s['ratio']:.2f}x", (i, vals[i]), ha="center", va="bottom")
     else:
         w = 0.4
         meas = [ln["slot_tokens_per_s_per_gpu"] for ln in ok]

@@ -320,6 +320,8 @@ def run_layouts(b: Bench) -> None:
 
 
 def run_cpu_vs_hf(b: Bench) -> None:
+    """`bench.repeats` rounds of the HF recipe then each ftcore run, so that on a machine whose
+    speed drifts each ftcore run has an HF run of its own minutes to be compared with."""
     from ftcore.bench_hf import make_hf_model
 
     hf = OmegaConf.to_container(b.bench.hf, resolve=True) if b.bench.hf else {}
@@ -327,57 +329,63 @@ def run_cpu_vs_hf(b: Bench) -> None:
     model_dir = make_hf_model(b.runs_dir / "hf_model", hf.get("shape"), int(hf.get("seed", 1234)))
     threads = int(b.bench.threads or 1)
     base = [*b.bench.base, *b.extra, f"model.hf_path={model_dir}"]
-    # 1. the HF Trainer recipe
-    spec = {"model_dir": str(model_dir), "overrides": base, "batch_size": int(hf.get("batch_size", 16)),
-            "threads": threads, "work_dir": str(b.runs_dir / "hf_trainer" / "trainer")}  # fmt: skip
-    log.info("bench %s: running the HF Trainer recipe", b.bench.name)
+    rounds = max(1, int(b.bench.repeats))
+    for k in range(rounds):
+        rdir = b.runs_dir / f"round{k + 1}" if rounds > 1 else b.runs_dir
+        spec = {"model_dir": str(model_dir), "overrides": base, "batch_size": int(hf.get("batch_size", 16)),
+                "threads": threads, "work_dir": str(rdir / "hf_trainer" / "trainer")}  # fmt: skip
+        res = _hf_round(b, spec, rdir, k + 1)
+        for run in expand_runs(b.bench):
+            _ftcore_run(b, run, base, threads, rdir, res, k + 1)
+
+
+def _hf_round(b: Bench, spec: dict, rdir: Path, round_: int) -> dict | None:
+    log.info("bench %s: round %d, the HF Trainer recipe", b.bench.name, round_)
     load0 = load_avg()
-    res, err = launch("ftcore.bench_hf", [], spec, b.runs_dir / "hf_trainer", {}, b.timeout_s)
-    hf_line = {"label": "hf_trainer", "side": "hf", "load_avg": [load0, load_avg()]}
+    res, err = launch("ftcore.bench_hf", [], spec, rdir / "hf_trainer", {}, b.timeout_s)
+    line = {"label": "hf_trainer", "side": "hf", "round": round_, "load_avg": [load0, load_avg()]}
     if res is None:
-        b.append({**hf_line, "status": "failed", "error": err})
-    else:
-        res["tokens_per_s"] = res["tokens"] / res["wall_s"]
-        res["tokens_per_cpu_s"] = res["tokens"] / res["cpu_s"] if res.get("cpu_s") else None
-        b.append({**hf_line, "status": "ok", **res})
-    # 2. ftcore, one configuration after another
-    for run in expand_runs(b.bench):
-        rdir = b.runs_dir / run.label
-        ov = [
-            *base,
-            *run.overrides,
-            *FIXED,
-            f"launcher.threads_per_rank={threads}",
-            f"run.dir={rdir}",
-        ]
-        line = {"label": run.label, "side": "ftcore", "overrides": run.overrides, "env": run.env}
-        load0 = load_avg()
-        log.info("bench %s: running ftcore %s", b.bench.name, run.label)
-        r, err = launch("ftcore.bench_worker", ov, {"epoch": True, "eval": True}, rdir, run.env,
-                        b.timeout_s)  # fmt: skip
-        line["load_avg"] = [load0, load_avg()]
-        if r is None:
-            b.append({**line, "status": "failed", "error": err})
-            continue
-        tokens = sum(s["tokens"] for s in r["steps"])
-        split = {p: sum(s["parts"].get(p, 0.0) for s in r["steps"]) for p in PARTS}
-        split["other"] = max(0.0, r["wall_s"] - sum(split.values()))  # logging, metrics, timers
-        line.update(
-            status="ok", steps=len(r["steps"]), tokens=tokens,
-            target_tokens=sum(s["target_tokens"] for s in r["steps"]), wall_s=r["wall_s"],
-            tokens_per_s=tokens / r["wall_s"], eval_loss=r["eval_loss"], eval_tokens=r["eval_tokens"],
-            train_loss_last=r["steps"][-1]["loss"], peak_mem_gib=r["peak_mem_gib"],
-            threads=r.get("threads"), time_split_s=split, cpu_s=r.get("cpu_s"),
-            tokens_per_cpu_s=tokens / r["cpu_s"] if r.get("cpu_s") else None, packing_efficiency=r["data_report"]["packing_efficiency"],
-            layout=layout_of(ov),
-        )  # fmt: skip
-        if res is not None:
-            line["ratio_vs_hf"] = line["tokens_per_s"] / res["tokens_per_s"]
-            if line["tokens_per_cpu_s"] and res.get("tokens_per_cpu_s"):
-                line["ratio_vs_hf_cpu"] = line["tokens_per_cpu_s"] / res["tokens_per_cpu_s"]
-            line["eval_loss_rel_diff"] = (r["eval_loss"] - res["eval_loss"]) / res["eval_loss"]
-            line["comparable"] = abs(line["eval_loss_rel_diff"]) <= 0.05
-        b.append(line)
+        b.append({**line, "status": "failed", "error": err})
+        return None
+    res["tokens_per_s"] = res["tokens"] / res["wall_s"]
+    res["tokens_per_cpu_s"] = res["tokens"] / res["cpu_s"] if res.get("cpu_s") else None
+    b.append({**line, "status": "ok", **res})
+    return res
+
+
+def _ftcore_run(b: Bench, run: Run, base: list[str], threads: int, rdir: Path, res: dict | None,
+                round_: int) -> None:  # fmt: skip
+    rdir = rdir / run.label
+    ov = [*base, *run.overrides, *FIXED, f"launcher.threads_per_rank={threads}", f"run.dir={rdir}"]
+    line = {"label": run.label, "side": "ftcore", "round": round_, "overrides": run.overrides,
+            "env": run.env}  # fmt: skip
+    load0 = load_avg()
+    log.info("bench %s: round %d, ftcore %s", b.bench.name, round_, run.label)
+    r, err = launch("ftcore.bench_worker", ov, {"epoch": True, "eval": True}, rdir, run.env,
+                    b.timeout_s)  # fmt: skip
+    line["load_avg"] = [load0, load_avg()]
+    if r is None:
+        b.append({**line, "status": "failed", "error": err})
+        return
+    tokens = sum(s["tokens"] for s in r["steps"])
+    split = {p: sum(s["parts"].get(p, 0.0) for s in r["steps"]) for p in PARTS}
+    split["other"] = max(0.0, r["wall_s"] - sum(split.values()))  # logging, metrics, timers
+    line.update(
+        status="ok", steps=len(r["steps"]), tokens=tokens,
+        target_tokens=sum(s["target_tokens"] for s in r["steps"]), wall_s=r["wall_s"],
+        tokens_per_s=tokens / r["wall_s"], eval_loss=r["eval_loss"], eval_tokens=r["eval_tokens"],
+        train_loss_last=r["steps"][-1]["loss"], peak_mem_gib=r["peak_mem_gib"],
+        threads=r.get("threads"), time_split_s=split, cpu_s=r.get("cpu_s"),
+        tokens_per_cpu_s=tokens / r["cpu_s"] if r.get("cpu_s") else None, packing_efficiency=r["data_report"]["packing_efficiency"],
+        layout=layout_of(ov),
+    )  # fmt: skip
+    if res is not None:
+        line["ratio_vs_hf"] = line["tokens_per_s"] / res["tokens_per_s"]
+        if line["tokens_per_cpu_s"] and res.get("tokens_per_cpu_s"):
+            line["ratio_vs_hf_cpu"] = line["tokens_per_cpu_s"] / res["tokens_per_cpu_s"]
+        line["eval_loss_rel_diff"] = (r["eval_loss"] - res["eval_loss"]) / res["eval_loss"]
+        line["comparable"] = abs(line["eval_loss_rel_diff"]) <= 0.05
+    b.append(line)
 
 
 def run_bench(cfg: DictConfig, extra: list[str], command: str) -> Path:

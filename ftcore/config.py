@@ -262,6 +262,7 @@ class BenchConfig:
     timeout_min: float = 30.0  # per configuration; a run past it is recorded as failed
     output_dir: Optional[str] = None  # default outputs/bench/<name>
     hf: dict[str, Any] = field(default_factory=dict)  # cpu_vs_hf: the HF model shape and batch size
+    repeats: int = 1  # cpu_vs_hf: rounds of (HF, then each ftcore run); ratios within a round
 
 
 @dataclass

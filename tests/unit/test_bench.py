@@ -132,3 +132,28 @@ def test_cpu_vs_hf_end_to_end(tmp_path):
         assert x["ratio_vs_hf"] > 0 and math.isfinite(x["eval_loss"])
         assert x["eval_tokens"] == hf["eval_tokens"]
     assert "| ftcore | packed |" in (out / "bench.md").read_text()
+
+
+def test_cpu_vs_hf_report_takes_medians_over_rounds(tmp_path):
+    """With bench.repeats each ftcore run is compared with the HF run of its own round; bench.md
+    leads with the median ratio and its range."""
+
+    def line(rnd, side, label, tps, ratio=None):
+        return {"bench": "b", "kind": "cpu_vs_hf", "invocation": "i", "command": "c", "time": "t",
+                "round": rnd, "side": side, "label": label, "status": "ok", "steps": 1,
+                "tokens": 10, "wall_s": 1.0, "tokens_per_s": tps, "ratio_vs_hf": ratio,
+                "eval_loss": 5.0, "eval_loss_rel_diff": None if side == "hf" else 0.01}  # fmt: skip
+
+    lines = [
+        line(1, "hf", "hf_trainer", 100.0), line(1, "ftcore", "packed", 150.0, 1.5),
+        line(2, "hf", "hf_trainer", 80.0), line(2, "ftcore", "packed", 100.0, 1.25),
+        line(3, "hf", "hf_trainer", 90.0), line(3, "ftcore", "packed", 117.0, 1.3),
+    ]  # fmt: skip
+    (s_hf, s_packed) = bench_report.summary(lines)
+    assert s_hf["tokens_per_s"] == 90.0 and s_packed["rounds"] == 3
+    assert s_packed["ratio"] == 1.3 and s_packed["ratio_range"] == (1.25, 1.5)
+    (tmp_path / "bench.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    md, png = bench_report.write(tmp_path)
+    text = md.read_text()
+    assert "| packed | 3 | 117 | 1.30 | 1.25–1.50 | +1.0% |" in text
+    assert "| 2 | ftcore | packed |" in text and png.stat().st_size > 0
