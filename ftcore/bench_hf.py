@@ -142,6 +142,7 @@ def train_hf(spec: dict) -> dict:
         use_rslora=bool(p.use_rslora),
         task_type="CAUSAL_LM",
     )
+    torch.manual_seed(int(cfg.run.seed))  # PEFT draws lora_A from the global RNG: same every run
     model = get_peft_model(model, lora)
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     o = cfg.optim
