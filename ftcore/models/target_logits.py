@@ -9,8 +9,11 @@ MLP (or, where that cannot be done, before the output layer), and the loss gathe
 mask the same way: the same sum over the same targets, and the same gradients (the gather's
 backward scatters them back into [s, b, h]).
 
-Not under sequence or context parallelism, where a rank holds only part of the sequence before the
-output layer: every position is computed there, as before.
+Under sequence parallelism a rank holds a chunk of the sequence: the output layer's input is
+all-gathered first (its backward takes this rank's chunk of a gradient that the output layer's TP
+copy has already summed), picked, and the output layer runs without SP for that call, as
+megatron's inference path does; the last MLP stays at every position there. Not under context
+parallelism (positions are split across ranks all the way to the loss).
 """
 
 from __future__ import annotations
@@ -18,12 +21,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 
 def applies(chunk) -> bool:
-    """This chunk computes logits and holds the whole sequence when it does."""
-    c = chunk.config
-    return bool(chunk.post_process) and not c.sequence_parallel and c.context_parallel_size == 1
+    """This chunk computes logits, and the whole sequence is on this rank (or its TP group) then."""
+    return bool(chunk.post_process) and chunk.config.context_parallel_size == 1
 
 
 def rows_of(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -46,11 +49,18 @@ def _pick(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def _mlp_can_pick(chunk) -> bool:
     """The last layer's MLP may run at the targets only unless full recompute reruns the layer
-    after `only_at` has ended, or FP8/FP4 GEMMs need the token count in multiples of 16."""
+    after `only_at` has ended, FP8/FP4 GEMMs need the token count in multiples of 16, or sequence
+    parallelism splits the sequence among the TP ranks there."""
     c = chunk.config
     layers = chunk.decoder.layers if chunk.decoder is not None else []
     fp4 = getattr(c, "fp4", None)
-    return len(layers) > 0 and c.recompute_granularity != "full" and not c.fp8 and not fp4
+    quant = c.fp8 or fp4
+    return (
+        len(layers) > 0
+        and c.recompute_granularity != "full"
+        and not quant
+        and not c.sequence_parallel
+    )
 
 
 def install(chunk) -> None:
@@ -64,7 +74,11 @@ def install(chunk) -> None:
         if pick is None or pick["done"]:
             return None
         pick["done"] = True
-        return (_pick(args[0], pick["rows"]), *args[1:]), kwargs
+        hidden = args[0]
+        if module.sequence_parallel:  # only_at turns it back on
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+            module.sequence_parallel, pick["restore_sp"] = False, True
+        return (_pick(hidden, pick["rows"]), *args[1:]), kwargs
 
     chunk.output_layer.register_forward_pre_hook(output_layer_hook, with_kwargs=True)
     if not _mlp_can_pick(chunk):
@@ -88,8 +102,10 @@ def only_at(chunk, rows: torch.Tensor | None):
     if rows is None or not chunk.post_process:
         yield
         return
-    chunk._ftcore_pick = {"rows": rows, "done": False}
+    pick = chunk._ftcore_pick = {"rows": rows, "done": False}
     try:
         yield
     finally:
         chunk._ftcore_pick = None
+        if pick.get("restore_sp"):
+            chunk.output_layer.sequence_parallel = True

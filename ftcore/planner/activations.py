@@ -71,7 +71,7 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
     d = m.kv_channels or m.hidden_size // m.num_attention_heads
     te = cfg.cluster.device != "cpu"
     quant = bool(pr.fp8_recipe or pr.fp4_recipe)
-    picks = not p.sp and p.cp == 1  # models/target_logits.py: applies()
+    picks = p.cp == 1  # models/target_logits.py: applies(); the last MLP not under SP
     return Shape(
         s=cfg.data.seq_len,
         sl=cfg.data.seq_len // p.cp,
@@ -95,7 +95,7 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
         r=cfg.peft.r,
         recompute=p.recompute,
         targets_frac=min(1.0, float(cfg.plan.target_fraction)) if picks else 1.0,
-        mlp_picks=picks and p.recompute != "full" and not quant,
+        mlp_picks=picks and not p.sp and p.recompute != "full" and not quant,
     )
 
 
@@ -190,7 +190,7 @@ def loss_bytes(sh: Shape) -> dict[str, int]:
         norm = T * sh.hs * 4 + T * 4 + (T * sh.hs * 4 if sh.full else 0)
     else:
         norm = T * sh.hs * sh.ab + T * 4
-    head_in = sh.target_tokens * sh.hs * sh.ab if sh.full else 0
+    head_in = sh.target_tokens * sh.h * sh.ab if sh.full else 0  # gathered under SP, then picked
     return {
         "final_norm": norm,
         "output_layer": head_in,

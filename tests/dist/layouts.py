@@ -14,7 +14,7 @@ from megatron.core import parallel_state as ps
 from ftcore import trainer
 from ftcore.config import compose
 from ftcore.data.pipeline import MicroBatch
-from ftcore.models.sharding import iter_params, join_shards, shard_info
+from ftcore.models.sharding import iter_params, join_shards, shard_info, unwrap
 from tests.tiny import TINY
 
 
@@ -109,3 +109,26 @@ def recompute_case(overrides: list[str], run_dir: str, steps: int = 3) -> dict:
     first = peak_saved_bytes(state)  # peak of live saved tensors: what recompute lowers
     losses = [trainer.train_step(state)["loss"] for _ in range(steps)]
     return {"saved_bytes": first, "loss": losses}
+
+
+def picked_rows_case(overrides: list[str], run_dir: str) -> dict:
+    """Rows the output layer saw per micro-batch (and whether it ran with SP) in one step, against
+    the micro-batches' target counts: the target-position logits path under this layout."""
+    state = build(overrides, run_dir)
+    chunk = unwrap(state.model[-1])
+    seen, targets = [], []
+    if chunk.post_process:
+        chunk.output_layer.register_forward_hook(
+            lambda m, a, o: seen.append((a[0].shape[0] * a[0].shape[1], m.sequence_parallel))
+        )
+    next_microbatches = state.loader.next_microbatches
+
+    def recorded():
+        mbs = next_microbatches()
+        targets.extend(int(mb.loss_mask.sum()) for mb in mbs)
+        return mbs
+
+    state.loader.next_microbatches = recorded
+    trainer.train_step(state)
+    sp_after = chunk.output_layer.sequence_parallel if chunk.post_process else None
+    return {"seen": seen, "targets": targets, "sp_after": sp_after}

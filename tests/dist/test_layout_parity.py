@@ -81,3 +81,19 @@ def test_uneven_pipeline_split_matches(pool1, pool2, tmp_path):
     results = pool2.run(train_and_collect, six + ["parallel.pp=2", "parallel.vp=2"], str(tmp_path / "pp"), 3)
     _close(results[0]["loss"], ref["loss"], "uneven pp2 x vp2 losses")
     _close_weights(merge_weights(results), ref["weights"], "uneven pp2 x vp2")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("overrides", [["parallel.tp=2", "parallel.sp=true"], ["parallel.pp=2"]])
+def test_output_layer_runs_at_the_target_positions(pool2, tmp_path, overrides):
+    """models/target_logits.py under SP (gather, pick, output layer without SP for that call, SP
+    back on after) and on the last pipeline stage: one row per target token."""
+    from tests.dist.layouts import picked_rows_case
+
+    results = pool2.run(picked_rows_case, overrides, str(tmp_path))
+    last = [r for r in results if r["seen"]]
+    assert last, "no rank ran the output layer"
+    for r in last:
+        assert [n for n, _ in r["seen"]] == r["targets"], r
+        assert not any(sp for _, sp in r["seen"])  # the call ran without SP
+        assert r["sp_after"] == ("parallel.sp=true" in overrides)
