@@ -116,19 +116,27 @@ def picked_rows_case(overrides: list[str], run_dir: str) -> dict:
     the micro-batches' target counts: the target-position logits path under this layout."""
     state = build(overrides, run_dir)
     chunk = unwrap(state.model[-1])
-    seen, targets = [], []
+    seen = []
     if chunk.post_process:
         chunk.output_layer.register_forward_hook(
             lambda m, a, o: seen.append((a[0].shape[0] * a[0].shape[1], m.sequence_parallel))
         )
+    mbs = record_microbatches(state)
+    trainer.train_step(state)
+    sp_after = chunk.output_layer.sequence_parallel if chunk.post_process else None
+    targets = [int(mb.loss_mask.sum()) for mb in mbs]
+    return {"seen": seen, "targets": targets, "sp_after": sp_after}
+
+
+def record_microbatches(state) -> list[MicroBatch]:
+    """A list that fills with every micro-batch the loader hands out from now on."""
+    seen: list[MicroBatch] = []
     next_microbatches = state.loader.next_microbatches
 
     def recorded():
         mbs = next_microbatches()
-        targets.extend(int(mb.loss_mask.sum()) for mb in mbs)
+        seen.extend(mbs)
         return mbs
 
     state.loader.next_microbatches = recorded
-    trainer.train_step(state)
-    sp_after = chunk.output_layer.sequence_parallel if chunk.post_process else None
-    return {"seen": seen, "targets": targets, "sp_after": sp_after}
+    return seen

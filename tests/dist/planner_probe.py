@@ -16,7 +16,7 @@ from megatron.core import parallel_state as ps
 
 from ftcore import trainer
 from ftcore.models.sharding import unwrap
-from tests.dist.layouts import build
+from tests.dist.layouts import build, record_microbatches
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
@@ -104,15 +104,7 @@ def activation_case(overrides: list[str], run_dir: str) -> dict:
     """Also the largest share of target positions in a micro-batch of the step: the planner's
     plan.target_fraction for the logits and the last layer's MLP."""
     state = build(overrides, run_dir)
-    fractions = []
-    next_microbatches = state.loader.next_microbatches
-
-    def recorded():
-        mbs = next_microbatches()
-        fractions.extend(float(mb.loss_mask.mean()) for mb in mbs)
-        return mbs
-
-    state.loader.next_microbatches = recorded
+    mbs = record_microbatches(state)
     saved = peak_saved_bytes(state)
     return {"pp_rank": ps.get_pipeline_model_parallel_rank(), "saved": saved,
-            "target_fraction": max(fractions)}  # fmt: skip
+            "target_fraction": max(float(mb.loss_mask.mean()) for mb in mbs)}  # fmt: skip
