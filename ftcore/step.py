@@ -75,14 +75,15 @@ def forward_step(data_iterator, model):
     chunk = unwrap(model)
     rows = target_logits.rows_of(mb.loss_mask).to(device) if target_logits.applies(chunk) else None
     kwargs = {}
+    packed = int(mb.segment_ids.max()) > 1
     if not getattr(chunk, "uses_te", False):
         mask = attention_mask_from_segments(mb.segment_ids).to(device)
-        if int(mb.segment_ids.max()) > 1 and chunk.config.context_parallel_size == 1:
+        if packed and chunk.config.context_parallel_size == 1:
             # packed rows: attend document by document (models/attention.py)
             mask = attention.with_documents(mask, attention.documents(mb.segment_ids).to(device))
     else:
         mask = None
-        if int(mb.segment_ids.max()) > 1:
+        if packed:
             kwargs["packed_seq_params"] = packed_seq_params(mb, device)
     with cpu.mode_suspended(), target_logits.only_at(chunk, rows):
         output = model(mb.tokens.to(device), mb.position_ids.to(device), mask, **kwargs)

@@ -180,27 +180,19 @@ def train_step(state: TrainState) -> dict:
         # applies them (clipping skips a NaN norm), poisoning the weights a skip should protect.
         found_inf = state.optimizer.prepare_grads()
         norm = float("nan") if found_inf else float(state.optimizer.get_grad_norm() or 0.0)
-        if not math.isfinite(norm):
+        if not math.isfinite(norm) or not optim.step_with_norm(state.optimizer, norm):
             return {
                 "loss": loss,
                 "grad_norm": norm,
                 "skipped": True,
                 "target_tokens": target_tokens,
             }
-        if not optim.step_with_norm(state.optimizer, norm):
-            return {
-                "loss": loss,
-                "grad_norm": norm,
-                "skipped": True,
-                "target_tokens": target_tokens,
-            }
-    grad_norm = norm
     state.scheduler.step(increment=1)
     (tokens,) = _reduce_sums([float(sum(mb.num_tokens for mb in microbatches))], _is_data_rank())
     state.consumed_samples += cfg.train.global_batch_size
     return {
         "loss": loss,
-        "grad_norm": grad_norm,
+        "grad_norm": norm,
         "tokens": int(tokens),
         "target_tokens": int(target_tokens),
     }

@@ -160,18 +160,16 @@ def _lora_saved(sh: Shape, module: str, n_a: int) -> int:
 
 
 MLP_PARTS = ("mlp_norm", "fc1", "swiglu", "fc2")
+MLP_LINEARS = ("linear_fc1", "linear_fc2")
 
 
 def last_mlp_saving(sh: Shape) -> int:
     """Bytes the last layer's MLP does not save when it runs at the target positions only."""
-    if not sh.mlp_picks or sh.recompute == "full":
+    if not sh.mlp_picks:  # never under full recompute
         return 0
     parts = layer_parts(sh)
     mlp = sum(parts[k] for k in MLP_PARTS)
-    mlp += (
-        sum(_lora_saved(sh, k, n) for k, n in sh.lora_a if k in ("linear_fc1", "linear_fc2"))
-        * sh.ab
-    )
+    mlp += sum(_lora_saved(sh, k, n) for k, n in sh.lora_a if k in MLP_LINEARS) * sh.ab
     return round(mlp * (1 - sh.target_tokens / sh.tokens))
 
 

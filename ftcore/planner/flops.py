@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from ftcore.planner.activations import shape_of
+from ftcore.planner.activations import MLP_LINEARS, shape_of
 from ftcore.planner.layers import split_layers
 from ftcore.planner.params import linear_shapes, lora_params, lora_plan, padded_vocab
 
@@ -62,9 +62,11 @@ def micro_batch_work(cfg: DictConfig, pp_rank: int) -> Work:
     passes = (3 if full else 2) + recompute_fwd  # forward, dgrad, (wgrad), (recomputed forward)
     shapes = linear_shapes(m, tp)
     lin = sum(o * i for o, i in shapes.values())
-    adapters = sum(
-        n for t, sl in lora_plan(cfg).items() for _, n in lora_params(m, t, sl, cfg.peft.r, tp)
-    )
+    adapters_of = {  # adapter parameters per linear
+        t: sum(n for _, n in lora_params(m, t, sl, cfg.peft.r, tp))
+        for t, sl in lora_plan(cfg).items()
+    }
+    adapters = sum(adapters_of.values())
     split = split_layers(m.num_layers, p.pp, p.vp)
     offsets = split.offsets[pp_rank]
     quant = bool(cfg.precision.fp8_recipe or cfg.precision.fp4_recipe)
@@ -90,12 +92,7 @@ def micro_batch_work(cfg: DictConfig, pp_rank: int) -> Work:
         w.gemm_base += head * (3 if full else 2)
         if sh.mlp_picks and split[pp_rank][-1] > 0:
             skipped = 1 - sh.target_tokens / sh.tokens
-            mlp = sum(o * i for k, (o, i) in shapes.items() if k in ("linear_fc1", "linear_fc2"))
-            mlp_ad = sum(
-                n
-                for t, sl in lora_plan(cfg).items()
-                if t in ("linear_fc1", "linear_fc2")
-                for _, n in lora_params(m, t, sl, cfg.peft.r, tp)
-            )
+            mlp = sum(o * i for k, (o, i) in shapes.items() if k in MLP_LINEARS)
+            mlp_ad = sum(adapters_of.get(k, 0) for k in MLP_LINEARS)
             w.gemm_base -= skipped * 2.0 * tokens * (mlp * passes + mlp_ad * (3 + recompute_fwd))
     return w
