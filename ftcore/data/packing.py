@@ -1,4 +1,4 @@
-"""Rows of documents -> micro-batch tensors; first-fit-decreasing packing of documents into rows.
+"""Rows of documents -> micro-batch tensors; packing into rows (FFD or most-documents-first).
 
 A row holds one document (unpacked) or several (packed). Inside a row each document keeps its own
 positions (restarting at 0), its own segment id (1, 2, ...; 0 is padding), and its labels never
@@ -66,6 +66,143 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
             free[j] = max(free[2 * j], free[2 * j + 1])
             j //= 2
     return bins
+
+
+def most_documents_first(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins (lists of item indices) that first fit as many documents as they can.
+
+    FFD fills a row with the longest documents first; on lengths that vary little (20..30 in
+    rows of 128) that leaves rows of four long documents and a gap nothing fits. Here each row
+    (a) opens with the longest remaining item, (b) takes the most further items that fit, the
+    shortest ones, then (c) from the longest of those down, swaps each for the longest remaining
+    item that still fits (so short items stay for later rows). Items of one length are used in
+    input order; a bin lists its items longest first.
+
+    Per length a list of item indices and how many are used; the lengths that still have items
+    live in a bit tree (_bits_*), so each row costs O(log capacity) per distinct length touched.
+    """
+    by_len: list[list[int]] = [[] for _ in range(capacity + 1)]
+    for i, n in enumerate(lengths):
+        if not 1 <= n <= capacity:
+            raise ValueError(f"item {i} of length {n} is not in [1, capacity {capacity}]")
+        by_len[n].append(i)
+    used = [0] * (capacity + 1)  # by_len[n][:used[n]] are placed; the rest are available
+    tree = _bits_new(capacity + 1)
+    for n in range(1, capacity + 1):
+        if by_len[n]:
+            _bits_set(tree, n)
+
+    def take(n: int, k: int = 1) -> None:
+        used[n] += k
+        if used[n] == len(by_len[n]):
+            _bits_clear(tree, n)
+
+    def put_back(n: int) -> None:  # the last item taken of length n
+        if used[n] == len(by_len[n]):
+            _bits_set(tree, n)
+        used[n] -= 1
+
+    bins: list[list[int]] = []
+    while (top := _bits_prev(tree, capacity)) > 0:
+        take(top)  # (a)
+        space = capacity - top
+        chosen = []  # (b): (length, count), shortest first
+        n = _bits_next(tree, 1)
+        while 0 < n <= space:
+            k = min(len(by_len[n]) - used[n], space // n)
+            take(n, k)
+            chosen.append((n, k))
+            space -= n * k
+            if used[n] < len(by_len[n]):
+                break  # the next item of this length does not fit, nor does any longer one
+            n = _bits_next(tree, n + 1)
+        count = {top: 1}
+        for n, k in reversed(chosen):  # (c); `space` is the slack
+            while k:
+                best = _bits_prev(tree, n + space)
+                if best <= n:  # nothing longer fits: keep this and the rest of this length
+                    count[n] = count.get(n, 0) + k
+                    break
+                put_back(n)
+                take(best)
+                count[best] = count.get(best, 0) + 1
+                space -= best - n
+                k -= 1
+        parts = [by_len[n][used[n] - count[n] : used[n]] for n in sorted(count, reverse=True)]
+        bins.append([i for part in parts for i in part])  # this row took the last items used
+    return bins
+
+
+def pack(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins for packed rows: the fewer of first_fit_decreasing's and most_documents_first's
+    (FFD's on a tie). Neither wins on every length distribution, both are fast, and fewer rows
+    are fewer steps for the same tokens."""
+    ffd = first_fit_decreasing(lengths, capacity)
+    mdf = most_documents_first(lengths, capacity)
+    return mdf if len(mdf) < len(ffd) else ffd
+
+
+def _bits_new(size: int) -> list[list[int]]:
+    """An empty set of integers in [0, size): levels of 64-bit words, level 0 has bit x % 64 of
+    word x // 64 for each member x, and bit b of word w on level j + 1 says word 64 w + b on
+    level j is not zero. Finding a neighbour or updating looks at one word per level."""
+    levels = []
+    while True:
+        size = (size + 63) // 64
+        levels.append([0] * size)
+        if size == 1:
+            return levels
+
+
+def _bits_set(levels: list[list[int]], x: int) -> None:
+    for words in levels:
+        w, was = x >> 6, words[x >> 6]
+        words[w] = was | (1 << (x & 63))
+        if was:
+            return
+        x = w
+
+
+def _bits_clear(levels: list[list[int]], x: int) -> None:
+    for words in levels:
+        w = x >> 6
+        words[w] &= ~(1 << (x & 63))
+        if words[w]:
+            return
+        x = w
+
+
+def _bits_prev(levels: list[list[int]], x: int) -> int:
+    """The largest member <= x, or -1."""
+    for j, words in enumerate(levels):
+        if x < 0:
+            return -1
+        w = x >> 6
+        below = words[w] & ((2 << (x & 63)) - 1)
+        if below:
+            x = (w << 6) + below.bit_length() - 1
+            for lower in reversed(levels[:j]):  # down again, the highest bit on each level
+                x = (x << 6) + lower[x].bit_length() - 1
+            return x
+        x = w - 1
+    return -1
+
+
+def _bits_next(levels: list[list[int]], x: int) -> int:
+    """The smallest member >= x, or -1."""
+    for j, words in enumerate(levels):
+        w = x >> 6
+        if w >= len(words):
+            return -1
+        above = words[w] >> (x & 63) << (x & 63)
+        if above:
+            x = (w << 6) + (above & -above).bit_length() - 1
+            for lower in reversed(levels[:j]):  # down again, the lowest bit on each level
+                v = lower[x]
+                x = (x << 6) + (v & -v).bit_length() - 1
+            return x
+        x = w + 1
+    return -1
 
 
 def make_microbatch(rows: list[list[Doc]], seq_len: int, pad_id: int) -> MicroBatch:

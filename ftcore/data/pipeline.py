@@ -329,7 +329,7 @@ def build_val_batches(
     if not docs.docs:
         return []
     if cfg.data.packing:
-        rows = [sorted(b) for b in _ffd(docs, cfg.data.seq_len)]
+        rows = [sorted(b) for b in _pack(docs, cfg.data.seq_len)]
         rows.sort(key=lambda r: r[0])
     else:
         rows = [[i] for i in range(len(docs.docs))]
@@ -347,7 +347,7 @@ def build_val_batches(
     ]
 
 
-def _ffd(docs: Docs, seq_len: int) -> list[list[int]]:
-    from ftcore.data.packing import first_fit_decreasing
+def _pack(docs: Docs, seq_len: int) -> list[list[int]]:
+    from ftcore.data.packing import pack
 
-    return first_fit_decreasing([len(d) for d in docs.docs], seq_len)
+    return pack([len(d) for d in docs.docs], seq_len)

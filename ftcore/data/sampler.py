@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ftcore.data.packing import first_fit_decreasing
+from ftcore.data.packing import pack
 
 
 def rng(seed: int, *keys: int) -> np.random.Generator:
@@ -55,7 +55,7 @@ class Sampler:
             return self._cache[1]
         docs = self.epoch_docs(epoch)
         if self.packing:
-            bins = first_fit_decreasing([int(self.lengths[d]) for d in docs], self.seq_len)
+            bins = pack([int(self.lengths[d]) for d in docs], self.seq_len)
             rows = [[int(docs[i]) for i in b] for b in bins]
             rows = [rows[i] for i in rng(self.seed, 3, epoch).permutation(len(rows))]
         else:

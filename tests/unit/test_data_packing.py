@@ -1,5 +1,6 @@
-"""Packing: first-fit-decreasing, the micro-batch tensors, the block-diagonal causal mask, and
-packed vs unpacked parity of loss and gradients on Hugging Face's Llama (the oracle)."""
+"""Packing: first-fit-decreasing, most-documents-first and the fewer rows of the two, the
+micro-batch tensors, the block-diagonal causal mask, and packed vs unpacked parity of loss and
+gradients on Hugging Face's Llama (the oracle)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from ftcore.data.packing import (
     cu_seqlens_from_segments,
     first_fit_decreasing,
     make_microbatch,
+    most_documents_first,
+    pack,
 )
 from ftcore.data.templates import Doc
 
@@ -49,6 +52,96 @@ def test_ffd_edge_cases():
     assert first_fit_decreasing([3, 5, 4, 4], 8) == [[1, 0], [2, 3]]
     with pytest.raises(ValueError):
         first_fit_decreasing([9], 8)
+
+
+def naive_most_documents_first(lengths, cap):
+    left = list(range(len(lengths)))  # items not in a bin yet, in input order
+    bins = []
+    while left:
+        pool = sorted(lengths[i] for i in left)
+        first = pool.pop()  # (a) the longest
+        space = cap - first
+        chosen = []
+        while pool and sum(chosen) + pool[0] <= space:  # (b) as many as fit, shortest first
+            chosen.append(pool.pop(0))
+        for j in reversed(range(len(chosen))):  # (c) longest chosen first
+            slack = space - sum(chosen)
+            longer = [x for x in pool if chosen[j] < x <= chosen[j] + slack]
+            if longer:
+                pool.remove(max(longer))
+                pool.append(chosen[j])
+                chosen[j] = max(longer)
+        b = []  # longest first; the earliest unused items of each length
+        for x in sorted([first] + chosen, reverse=True):
+            b.append(next(i for i in left if lengths[i] == x and i not in b))
+        left = [i for i in left if i not in b]
+        bins.append(b)
+    return bins
+
+
+def random_lengths(seed):
+    """Lengths in [1, cap] of one of four shapes: uniform, narrow (like the bundled data), only
+    1, cap and its halves and thirds, and mostly short with a long tail."""
+    r = np.random.default_rng(seed)
+    cap = int(r.choice([1, 2, 7, 64, 128, 200]))
+    n = int(r.integers(0, 250))
+    shape = seed % 4
+    if shape == 0:
+        lengths = r.integers(1, cap + 1, n)
+    elif shape == 1:
+        lengths = r.integers(cap // 6 + 1, cap // 4 + 2, n)
+    elif shape == 2:
+        lengths = r.choice([1, cap, cap // 2 + 1, cap // 3 + 1], n)
+    else:
+        lengths = 1 + r.geometric(min(1.0, 4 / cap), n)
+    return np.minimum(lengths, cap).tolist(), cap
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_most_documents_first_matches_naive(seed):
+    lengths, cap = random_lengths(seed)
+    bins = most_documents_first(lengths, cap)
+    assert bins == naive_most_documents_first(lengths, cap)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= cap for b in bins)
+    assert most_documents_first(list(lengths), cap) == bins  # deterministic
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pack_never_more_rows_than_ffd(seed):
+    lengths, cap = random_lengths(seed)
+    ffd, bins = first_fit_decreasing(lengths, cap), pack(lengths, cap)
+    assert len(bins) <= len(ffd)
+    if len(bins) == len(ffd):
+        assert bins == ffd  # FFD's rows are kept where they are as good
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= cap for b in bins)
+    assert pack(list(lengths), cap) == bins
+
+
+def test_pack_fills_rows_of_bundled_like_data():
+    # The bundled data: 4000 documents of 20..30 tokens, mean 25.4, in rows of 128. FFD puts four
+    # ~30-token documents in a row and nothing else fits; five documents fit when the mean <= 25.6.
+    lengths = np.random.default_rng(0).integers(21, 31, 4000).tolist()
+    ffd, bins = first_fit_decreasing(lengths, 128), pack(lengths, 128)
+    assert len(bins) <= 0.95 * len(ffd)
+    assert len(bins) == 800 and all(len(b) == 5 for b in bins)
+
+
+def test_most_documents_first_edge_cases():
+    assert most_documents_first([], 8) == [] and pack([], 8) == []
+    assert most_documents_first([8, 8], 8) == [[0], [1]]
+    assert most_documents_first([1] * 5, 1) == [[0], [1], [2], [3], [4]]
+    # FFD: [5, 5], [4, 4, 3], [3]; here the first row keeps 3 + 3 of room for the 4 and the 3
+    assert most_documents_first([5, 5, 4, 4, 3, 3], 12) == [[0, 2, 4], [1, 3, 5]]
+    assert pack([5, 5, 4, 4, 3, 3], 12) == [[0, 2, 4], [1, 3, 5]]
+    assert pack([3, 5, 4, 4], 8) == first_fit_decreasing([3, 5, 4, 4], 8)  # a tie: FFD's rows
+    with pytest.raises(ValueError):
+        most_documents_first([9], 8)
+    with pytest.raises(ValueError):
+        most_documents_first([0, 3], 8)
+    with pytest.raises(ValueError):
+        pack([3, 9], 8)
 
 
 def doc(ids, targets):
