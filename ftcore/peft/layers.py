@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.utils import (
     make_sharded_tensors_for_checkpoint,
@@ -82,6 +82,49 @@ def fuse_column(
     return torch.cat([q, k, v], dim=-1).reshape(*lead, g * (qpg + 2 * d))
 
 
+def _column_views(module: str, out: torch.Tensor, geo: Geometry, tp: int) -> dict:
+    """Each slice's view of a fused column output [..., out/tp] (q, k, v interleaved per query
+    group for linear_qkv; gate then up for linear_fc1), shaped [..., slice/tp] or [..., g, w]."""
+    if module == "linear_fc1":
+        f = geo.ffn // tp
+        return {"gate_proj": out[..., :f], "up_proj": out[..., f:]}
+    g, d = geo.groups // tp, geo.head_dim
+    qpg = geo.heads // geo.groups * d
+    o = out.view(*out.shape[:-1], g, qpg + 2 * d)
+    return {"q_proj": o[..., :qpg], "k_proj": o[..., qpg : qpg + d], "v_proj": o[..., qpg + d :]}
+
+
+class _AddIntoSlices(torch.autograd.Function):
+    """out[slice] += delta for each slice, in place: the fused layout without concatenating the
+    deltas into a new [s, b, out] tensor. Backward hands each delta its view of the gradient."""
+
+    @staticmethod
+    def forward(ctx, out, module, geo, tp, names, *deltas):
+        views = _column_views(module, out, geo, tp)
+        for name, delta in zip(names, deltas):
+            views[name].add_(delta.view(views[name].shape))
+        ctx.mark_dirty(out)
+        ctx.layout = (module, geo, tp, names, [d.shape for d in deltas])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        module, geo, tp, names, shapes = ctx.layout
+        views = _column_views(module, grad, geo, tp)
+        return (grad, None, None, None, None,
+                *(views[n].reshape(shape) for n, shape in zip(names, shapes)))  # fmt: skip
+
+
+def add_column(out: torch.Tensor, module: str, deltas: dict, geo: Geometry, tp: int):
+    """`out + fuse_column(deltas)`, computed in place in `out` (the base's fresh output)."""
+    names = tuple(deltas)
+    return _AddIntoSlices.apply(out, module, geo, tp, names, *(deltas[n] for n in names))
+
+
+def _tp_size() -> int:
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
 def _dropout(x: torch.Tensor, p: float, training: bool, per_rank: bool) -> torch.Tensor:
     """Dropout on the adapter input. A TP-sharded or sequence-parallel input needs a different mask
     per TP rank (megatron's tracker RNG); a replicated one the same mask on every rank."""
@@ -110,16 +153,17 @@ def column_lora(
     x = _dropout(x, dropout, training, per_rank=sp)
     keys = list(lora_a)
     a = torch.cat([lora_a[k] for k in keys]) if len(keys) > 1 else lora_a[keys[0]]
-    h = F.linear(x, a.to(x.dtype))  # [s(/tp), b, r * n_A]
+    # the scale goes on the (concatenated) A, not on each [s, b, out] output: same product, one
+    # pass over a small matrix
+    h = F.linear(x, (a * scale).to(x.dtype))  # [s(/tp), b, r * n_A]
     if sp:
         h = tensor_parallel.gather_from_sequence_parallel_region(
             h, tensor_parallel_output_grad=True
         )
-    else:
+    elif _tp_size() > 1:  # megatron's copy is the identity (and a Python autograd node) at TP 1
         h = tensor_parallel.copy_to_tensor_model_parallel_region(h)
     parts = dict(zip(keys, h.split([lora_a[k].shape[0] for k in keys], dim=-1)))
-    # the scale goes on B (r columns), not on the [s, b, out] output: same product, one pass less
-    return {s: F.linear(parts[a_of[s]], (b * scale).to(h.dtype)) for s, b in lora_b.items()}
+    return {s: F.linear(parts[a_of[s]], b.to(h.dtype)) for s, b in lora_b.items()}
 
 
 def row_lora(
@@ -135,12 +179,12 @@ def row_lora(
     """Adapter output of a row-parallel base, in its output state ([s/tp, b, h] with SP, else
     [s, b, h]). x: the base input [s, b, in/tp]."""
     x = _dropout(x, dropout, training, per_rank=True)
-    h = F.linear(x, lora_a.to(x.dtype))  # partial sums over this rank's input features
+    h = F.linear(x, (lora_a * scale).to(x.dtype))  # partial sums over this rank's input features
     if sp:
         h = tensor_parallel.reduce_scatter_to_sequence_parallel_region(h)
-    else:
+    elif _tp_size() > 1:
         h = tensor_parallel.reduce_from_tensor_model_parallel_region(h)
-    return F.linear(h, (lora_b * scale).to(h.dtype))
+    return F.linear(h, lora_b.to(h.dtype))
 
 
 def _mark(p: nn.Parameter, *, sharded_dim: int | None, sp: bool) -> nn.Parameter:
@@ -204,6 +248,11 @@ class LoraParallelLinear(nn.Module):
 
     def forward(self, x, *args, **kwargs):
         out, bias = self.base_layer(x, *args, **kwargs)
+        if self.column:  # added into the base's slices: no fused copy, no zeros for the rest
+            deltas = column_lora(x, dict(self.lora_A), dict(self.lora_B), self.a_of, scale=self.scale,
+                                 sp=self.sp, dropout=self.dropout, training=self.training)  # fmt: skip
+            deltas = {k: d.to(out.dtype) for k, d in deltas.items()}
+            return add_column(out, self.module, deltas, self.geo, self.tp), bias
         return out + self.lora_delta(x).to(out.dtype), bias
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):

@@ -13,7 +13,7 @@ from ftcore.errors import FtcoreError
 from ftcore.hf import mappings
 from ftcore.models.sharding import ShardInfo, take_shard
 from ftcore.peft.export import check_adapter_fits, megatron_deltas, save_adapter, to_peft
-from ftcore.peft.layers import Geometry, fuse_column, scaling
+from ftcore.peft.layers import Geometry, add_column, fuse_column, scaling
 from ftcore.peft.lora import LoraSettings, check_config, plan_targets, settings
 from tests.tiny import TINY
 
@@ -89,6 +89,36 @@ def test_missing_slices_are_zero():
     )  # [.., 2 groups x (4+2+2)]
     assert got.shape == (3, 16)
     assert got.view(3, 2, 8)[..., 6:].eq(1).all() and got.view(3, 2, 8)[..., :6].eq(0).all()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(
+    "module, slices",
+    [
+        ("linear_qkv", ("q_proj", "k_proj", "v_proj")),
+        ("linear_qkv", ("k_proj",)),
+        ("linear_fc1", ("gate_proj", "up_proj")),
+        ("linear_fc1", ("up_proj",)),
+    ],
+)
+def test_add_column_equals_adding_the_fused_deltas(module, slices, tp):
+    """The in-place path LoraParallelLinear takes == base + fuse_column(deltas): output and the
+    gradients reaching the base output and every delta (float64, exact up to addition order)."""
+    width = {"linear_qkv": 16, "linear_fc1": 24}[module] // tp
+    cols = {s: GEO.out_in(s)[0] // tp for s in slices}
+    base = torch.randn(3, 2, width, dtype=torch.float64, requires_grad=True)
+    deltas = {
+        s: torch.randn(3, 2, n, dtype=torch.float64, requires_grad=True) for s, n in cols.items()
+    }
+    grad = torch.randn(3, 2, width, dtype=torch.float64)
+
+    want = base + fuse_column(module, deltas, GEO, tp)
+    want_grads = torch.autograd.grad(want, [base, *deltas.values()], grad)
+    got = add_column(base * 1.0, module, deltas, GEO, tp)  # a fresh tensor, as the base returns
+    got_grads = torch.autograd.grad(got, [base, *deltas.values()], grad)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 def _full_adapters(shared: bool, r: int = 2) -> dict[str, torch.Tensor]:
