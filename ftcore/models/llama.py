@@ -10,6 +10,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from omegaconf import DictConfig
 
+from ftcore.models import rope
 from ftcore.models.attention import SdpaAttention
 from ftcore.models.norm import RMSNorm
 from ftcore.planner.layers import split_layers
@@ -67,7 +68,8 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        # on CPU megatron's RoPE goes through ftcore.models.rope.apply_rope (TE's kernel on GPU)
+        apply_rope_fusion=on_cpu and rope.use_cpu_rope(),
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
         deallocate_pipeline_outputs=not on_cpu,

@@ -54,3 +54,59 @@ def install(chunks, model_cfg) -> None:
     cache_clear = getattr(RotaryEmbedding.forward, "cache_clear", None)
     if cache_clear is not None:
         cache_clear()
+
+
+class _Rotate(torch.autograd.Function):
+    """t * cos + rotate_half(t) * sin for [s, b, heads, d] (halves layout), as one autograd node.
+
+    megatron's unfused path recomputes cos and sin of the frequencies for every query and key of
+    every layer, concatenates for rotate_half and for an empty pass-through part, and autograd
+    keeps each piece: ~20 small ops per call on CPU. Here: cos and sin once per micro-batch, three
+    ops forward and three backward (the backward is the rotation by -angle)."""
+
+    @staticmethod
+    def forward(ctx, t, cos, sin):
+        h = t.shape[-1] // 2
+        out = t * cos
+        out[..., :h].addcmul_(t[..., h:], sin[..., :h], value=-1.0)
+        out[..., h:].addcmul_(t[..., :h], sin[..., h:])
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        h = grad.shape[-1] // 2
+        dt = grad * cos
+        dt[..., :h].addcmul_(grad[..., h:], sin[..., h:])
+        dt[..., h:].addcmul_(grad[..., :h], sin[..., :h], value=-1.0)
+        return dt, None, None
+
+
+_cos_sin: list = [None, -1, None]  # [freqs, its version, (cos, sin)]: one freqs for every layer
+
+
+def apply_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """megatron's `fused_apply_rotary_pos_emb` signature (TE's on GPU), installed on CPU by
+    `use_cpu_rope`. freqs: [s, b or 1, 1, rot_dim] angles; a partial rot_dim passes the rest."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    if interleaved or freqs.shape[-1] != t.shape[-1] or freqs.requires_grad:
+        return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+    if _cos_sin[0] is not freqs or _cos_sin[1] != freqs._version:
+        _cos_sin[:] = [freqs, freqs._version, (freqs.cos(), freqs.sin())]
+    cos, sin = _cos_sin[2]
+    if cos.dtype != t.dtype:
+        cos, sin = cos.to(t.dtype), sin.to(t.dtype)
+    return _Rotate.apply(t, cos, sin)
+
+
+def use_cpu_rope() -> bool:
+    """Route megatron's RoPE through `apply_rope` where Transformer Engine's fused kernel is absent;
+    True when installed (then `apply_rope_fusion` may be set in the TransformerConfig)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.fused_apply_rotary_pos_emb not in (None, apply_rope):
+        return False  # TE's kernel is there: keep it
+    rope_utils.fused_apply_rotary_pos_emb = apply_rope
+    return True
