@@ -35,6 +35,7 @@ def build_optimizer(cfg: DictConfig, model: list):
         optimizer = get_megatron_optimizer(config, model)
     if cpu.is_active():
         cpu.fused_adam(optimizer)
+        cpu.foreach_grad_ops()
     return optimizer
 
 

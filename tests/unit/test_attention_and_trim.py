@@ -30,6 +30,7 @@ def _loss_and_grads(state, mbs):
 
     for chunk in state.model:
         chunk.zero_grad_buffer()
+    state.optimizer.zero_grad()  # as train_step: after a step, .grad aliases the grad buffer
     s, n = trainer.run_batches(state, mbs, forward_only=False)
     grads = {
         name: p.main_grad.clone()
@@ -273,3 +274,66 @@ def test_step_with_norm_is_megatrons_step(state):
     assert moved > 1e-4
     for a, b in zip(params, ref):
         torch.testing.assert_close(a.detach(), b, rtol=1e-6, atol=1e-7)
+
+
+def test_cpu_rope_is_megatrons_rotation(state, monkeypatch):
+    """models/rope.apply_rope (installed as megatron's fused RoPE on CPU) == megatron's unfused
+    rotation: alone in float64 with a gradcheck, and in the model (same loss and gradients)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from ftcore.models import rope
+
+    assert state.model[0].config.apply_rope_fusion
+    assert rope_utils.fused_apply_rotary_pos_emb is rope.apply_rope
+    torch.manual_seed(0)
+    half = torch.randn(12, 1, 1, 4, dtype=torch.float64)
+    for freqs in (torch.cat([half, half], -1), torch.randn(12, 1, 1, 8, dtype=torch.float64)):
+        t = torch.randn(12, 2, 3, 8, dtype=torch.float64, requires_grad=True)
+        g = torch.randn(12, 2, 3, 8, dtype=torch.float64)
+        want = rope_utils._apply_rotary_pos_emb_bshd(t, freqs)
+        got = rope.apply_rope(t, freqs)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            torch.autograd.grad(got, t, g)[0],
+            torch.autograd.grad(want, t, g)[0],
+            rtol=0,
+            atol=1e-12,
+        )
+        assert torch.autograd.gradcheck(lambda x, f=freqs: rope.apply_rope(x, f), (t,))
+
+    mbs = state.loader.next_microbatches()
+    lora_b = [p for c in state.model for n, p in c.named_parameters() if "lora_B" in n]
+    saved = [p.detach().clone() for p in lora_b]
+    for p in lora_b:  # nonzero B: every adapter gradient depends on the rotation's backward
+        p.data.normal_(0.0, 0.05)
+    fast = _loss_and_grads(state, mbs)
+    unfused = lambda t, freqs, interleaved=False: rope_utils._apply_rotary_pos_emb_bshd(t, freqs)  # noqa: E731
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", unfused)
+    slow = _loss_and_grads(state, mbs)
+    for p, p0 in zip(lora_b, saved):
+        p.data.copy_(p0)
+    assert all(float(g.abs().max()) > 0 for g in fast[1].values())
+    _close(fast, slow)
+
+
+def test_foreach_grad_norm_and_clip_are_megatrons():
+    """cpu.foreach_grad_ops swaps megatron's per-tensor loops (no Apex) for foreach kernels: the
+    same norm and the same scaled gradients, in place and into other tensors."""
+    from megatron.core import utils
+
+    from ftcore.runtime import cpu
+
+    torch.manual_seed(0)
+    grads = [torch.randn(n, 3) for n in (1, 7, 64)]
+    want = torch.norm(torch.stack([torch.norm(g) for g in grads]))
+    got, _ = cpu._foreach_l2_norm(0, None, [grads], False)
+    torch.testing.assert_close(got, want.reshape(1), rtol=1e-6, atol=0)
+    assert cpu._foreach_l2_norm(0, None, [[]], False)[0].item() == 0.0
+    for same in (True, False):
+        src = [g.clone() for g in grads]
+        dst = src if same else [torch.empty_like(g) for g in grads]
+        ref = [g.clone() for g in grads]
+        utils.local_multi_tensor_scale(0, None, [ref, ref], 0.25)
+        cpu._foreach_scale(0, None, [src, dst], 0.25)
+        for a, b in zip(dst, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
