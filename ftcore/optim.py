@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -67,7 +69,8 @@ def step_with_norm(optimizer, grad_norm: float) -> bool:
     Calling step() instead would prepare the gradients and compute their norm a second time."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    for opt in chained:
         if getattr(opt, "is_stub_optimizer", False) or opt.config.clip_grad <= 0.0:
             continue
         params = opt.get_parameters()
@@ -78,4 +81,8 @@ def step_with_norm(optimizer, grad_norm: float) -> bool:
                 total_norm=grad_norm,
                 use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
             )
-    return bool(optimizer.step_with_ready_grads())
+    # FP32Optimizer's update is torch's AdamW alone: it needs none of the CPU device mode, whose
+    # Python hook would otherwise run on each of its ~4 torch calls per parameter
+    plain = all(type(o).__name__ == "FP32Optimizer" for o in chained)
+    with cpu.mode_suspended() if plain else contextlib.nullcontext():
+        return bool(optimizer.step_with_ready_grads())
