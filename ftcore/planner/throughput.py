@@ -106,9 +106,10 @@ def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
     if pp_rank == p.pp - 1:
         t += sh.target_tokens * sh.vocab / sh.tp * 20 / hbm  # logits, fp32 softmax, its gradient
     passes = 2 + (1 if p.recompute == "full" else 0)
-    # host cost per layer and micro-batch (Python, autograd, kernel launches); a full recompute
-    # runs the forward (a third of the work) twice
-    t += w.layers * c.layer_overhead_s * (4 if p.recompute == "full" else 3) / 3
+    # host cost per layer and micro-batch (Python, autograd, kernel launches; sequence parallelism
+    # adds its gathers and scatters); a full recompute runs the forward (a third of it) twice
+    host = c.layer_overhead_s + (c.sp_layer_overhead_s if p.sp else 0.0)
+    t += w.layers * host * (4 if p.recompute == "full" else 3) / 3
     comm = 0.0
     if p.tp > 1:
         vol = 4 * (p.tp - 1) / p.tp * sh.tokens * sh.h * sh.ab * passes * w.layers

@@ -91,3 +91,19 @@ def test_more_gpus_per_pipeline_means_less_bubble():
     small = throughput(compose([*base, "train.global_batch_size=8"]), 8)["time"]
     big = throughput(compose([*base, "train.global_batch_size=64"]), 8)["time"]
     assert small.bubble_s / small.compute_s > big.bubble_s / big.compute_s
+
+
+def test_sequence_parallel_adds_its_host_cost_per_layer_and_microbatch():
+    """cluster.sp_layer_overhead_s (fitted on local_cpu: SP's gloo gathers) is counted once per
+    layer and micro-batch under SP, and not at all without SP."""
+    base = ["+exp=tiny_full", "parallel.tp=2", "train.global_batch_size=16"]
+    base += ["train.micro_batch_size=4"]
+
+    def time(sp: bool, cost: float):
+        ov = [*base, f"parallel.sp={sp}", f"cluster.sp_layer_overhead_s={cost}"]
+        return throughput(compose(ov), 2)["time"]
+
+    layers, microbatches = 4, 4
+    with_sp = time(True, 0.01).compute_s - time(True, 0.0).compute_s
+    assert with_sp == pytest.approx(layers * microbatches * 0.01, rel=1e-6)
+    assert time(False, 0.01).compute_s == time(False, 0.0).compute_s
