@@ -219,7 +219,7 @@ class ClusterConfig:
     reserve_gib: float = 0.0  # framework / allocator reserve per GPU
     step_overhead_s: float = 0.0  # fixed per-step cost (launch, Python)
     layer_overhead_s: float = 0.0  # fixed cost per layer and micro-batch (Python, autograd)
-    sp_layer_overhead_s: float = 0.0  # what sequence parallelism adds to it (its gathers' host cost)
+    sp_layer_overhead_s: float = 0.0  # what sequence parallelism adds to it (host cost)
 
 
 @dataclass
