@@ -33,6 +33,7 @@ from megatron.core.transformer.utils import (
 from torch import nn
 
 from ftcore.peft.config import COLUMN, SLICES, scaling  # noqa: F401 - re-exported
+from ftcore.runtime import cpu
 
 
 @dataclass(frozen=True)
@@ -246,8 +247,26 @@ class LoraParallelLinear(nn.Module):
         return row_lora(x, self.lora_A[key], self.lora_B[s], scale=self.scale, sp=self.sp,
                         dropout=self.dropout, training=self.training)  # fmt: skip
 
+    def _base(self, x, *args, **kwargs):
+        """The frozen base's (output, bias). On the CPU runtime at TP 1 (no SP, no bias) it is one
+        F.linear: megatron's linear adds only identity TP regions and Python autograd functions."""
+        base = self.base_layer
+        if (
+            self.tp == 1
+            and not self.sp
+            and not args
+            and not kwargs
+            and type(base)
+            in (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear)
+            and base.bias is None
+            and not base.weight.requires_grad
+            and cpu.is_active()
+        ):
+            return F.linear(x, base.weight), None
+        return base(x, *args, **kwargs)
+
     def forward(self, x, *args, **kwargs):
-        out, bias = self.base_layer(x, *args, **kwargs)
+        out, bias = self._base(x, *args, **kwargs)
         if self.column:  # added into the base's slices: no fused copy, no zeros for the rest
             deltas = column_lora(x, dict(self.lora_A), dict(self.lora_B), self.a_of, scale=self.scale,
                                  sp=self.sp, dropout=self.dropout, training=self.training)  # fmt: skip

@@ -337,3 +337,32 @@ def test_foreach_grad_norm_and_clip_are_megatrons():
         cpu._foreach_scale(0, None, [src, dst], 0.25)
         for a, b in zip(dst, ref):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_frozen_base_as_f_linear_is_megatrons_linear(state, monkeypatch):
+    """LoraParallelLinear._base: on the CPU runtime at TP 1 the frozen base runs as F.linear (no
+    megatron TP regions or Python autograd function): the same loss and adapter gradients as
+    megatron's ColumnParallelLinear/RowParallelLinear (nonzero B, so A's gradients count too)."""
+    from ftcore.peft.layers import LoraParallelLinear
+
+    mbs = state.loader.next_microbatches()
+    lora_b = [p for c in state.model for n, p in c.named_parameters() if "lora_B" in n]
+    saved = [p.detach().clone() for p in lora_b]
+    for p in lora_b:
+        p.data.normal_(0.0, 0.05)
+    fast_calls = []
+    fast_base = LoraParallelLinear._base
+
+    def counted(self, x, *a, **k):
+        out = fast_base(self, x, *a, **k)
+        fast_calls.append("FrozenWeight" not in type(out[0].grad_fn).__name__)
+        return out
+
+    monkeypatch.setattr(LoraParallelLinear, "_base", counted)
+    fast = _loss_and_grads(state, mbs)
+    assert fast_calls and all(fast_calls), "every base ran as torch's F.linear"
+    monkeypatch.setattr(LoraParallelLinear, "_base", lambda self, x, *a, **k: self.base_layer(x))
+    slow = _loss_and_grads(state, mbs)
+    for p, p0 in zip(lora_b, saved):
+        p.data.copy_(p0)
+    _close(fast, slow)
