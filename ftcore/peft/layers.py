@@ -238,11 +238,14 @@ class LoraParallelLinear(nn.Module):
             self.lora_B[s] = _mark(nn.Parameter(torch.zeros(b_out, r, dtype=dtype)),
                                    sharded_dim=0 if self.column else None, sp=sp and not self.column)  # fmt: skip
 
+    def column_deltas(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return column_lora(x, dict(self.lora_A), dict(self.lora_B), self.a_of, scale=self.scale,
+                           sp=self.sp, dropout=self.dropout, training=self.training)  # fmt: skip
+
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter output in the base output's layout (zeros for slices without one)."""
         if self.column:
-            deltas = column_lora(x, dict(self.lora_A), dict(self.lora_B), self.a_of, scale=self.scale,
-                                 sp=self.sp, dropout=self.dropout, training=self.training)  # fmt: skip
-            return fuse_column(self.module, deltas, self.geo, self.tp)
+            return fuse_column(self.module, self.column_deltas(x), self.geo, self.tp)
         (key,), (s,) = list(self.lora_A), list(self.lora_B)
         return row_lora(x, self.lora_A[key], self.lora_B[s], scale=self.scale, sp=self.sp,
                         dropout=self.dropout, training=self.training)  # fmt: skip
@@ -268,9 +271,7 @@ class LoraParallelLinear(nn.Module):
     def forward(self, x, *args, **kwargs):
         out, bias = self._base(x, *args, **kwargs)
         if self.column:  # added into the base's slices: no fused copy, no zeros for the rest
-            deltas = column_lora(x, dict(self.lora_A), dict(self.lora_B), self.a_of, scale=self.scale,
-                                 sp=self.sp, dropout=self.dropout, training=self.training)  # fmt: skip
-            deltas = {k: d.to(out.dtype) for k, d in deltas.items()}
+            deltas = {k: d.to(out.dtype) for k, d in self.column_deltas(x).items()}
             return add_column(out, self.module, deltas, self.geo, self.tp), bias
         return out + self.lora_delta(x).to(out.dtype), bias
 

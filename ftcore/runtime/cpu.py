@@ -201,7 +201,7 @@ def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     if not tensors:
         return torch.zeros(1), None
     norms = torch._foreach_norm(tensors)
-    return torch.linalg.vector_norm(torch.stack(norms)).float().reshape(1), None
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1), None
 
 
 def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
