@@ -4,6 +4,8 @@ seq_len): the same loss and the same LoRA gradients for the same documents."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -46,6 +48,20 @@ def _close(a, b):
     assert a[1].keys() == b[1].keys() and len(a[1]) > 0
     for k in a[1]:
         torch.testing.assert_close(a[1][k], b[1][k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+@contextlib.contextmanager
+def _nonzero_lora_b(state):
+    """LoRA B drawn nonzero (it starts at zero, which zeroes every A gradient), restored after."""
+    lora_b = [p for c in state.model for n, p in c.named_parameters() if "lora_B" in n]
+    saved = [p.detach().clone() for p in lora_b]
+    for p in lora_b:
+        p.data.normal_(0.0, 0.05)
+    try:
+        yield
+    finally:
+        for p, p0 in zip(lora_b, saved):
+            p.data.copy_(p0)
 
 
 def test_trimmed_and_padded_microbatches_agree(state):
@@ -302,16 +318,11 @@ def test_cpu_rope_is_megatrons_rotation(state, monkeypatch):
         assert torch.autograd.gradcheck(lambda x, f=freqs: rope.apply_rope(x, f), (t,))
 
     mbs = state.loader.next_microbatches()
-    lora_b = [p for c in state.model for n, p in c.named_parameters() if "lora_B" in n]
-    saved = [p.detach().clone() for p in lora_b]
-    for p in lora_b:  # nonzero B: every adapter gradient depends on the rotation's backward
-        p.data.normal_(0.0, 0.05)
-    fast = _loss_and_grads(state, mbs)
     unfused = lambda t, freqs, interleaved=False: rope_utils._apply_rotary_pos_emb_bshd(t, freqs)  # noqa: E731
-    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", unfused)
-    slow = _loss_and_grads(state, mbs)
-    for p, p0 in zip(lora_b, saved):
-        p.data.copy_(p0)
+    with _nonzero_lora_b(state):  # every adapter gradient then depends on the rotation's backward
+        fast = _loss_and_grads(state, mbs)
+        monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", unfused)
+        slow = _loss_and_grads(state, mbs)
     assert all(float(g.abs().max()) > 0 for g in fast[1].values())
     _close(fast, slow)
 
@@ -346,10 +357,6 @@ def test_frozen_base_as_f_linear_is_megatrons_linear(state, monkeypatch):
     from ftcore.peft.layers import LoraParallelLinear
 
     mbs = state.loader.next_microbatches()
-    lora_b = [p for c in state.model for n, p in c.named_parameters() if "lora_B" in n]
-    saved = [p.detach().clone() for p in lora_b]
-    for p in lora_b:
-        p.data.normal_(0.0, 0.05)
     fast_calls = []
     fast_base = LoraParallelLinear._base
 
@@ -358,11 +365,12 @@ def test_frozen_base_as_f_linear_is_megatrons_linear(state, monkeypatch):
         fast_calls.append("FrozenWeight" not in type(out[0].grad_fn).__name__)
         return out
 
-    monkeypatch.setattr(LoraParallelLinear, "_base", counted)
-    fast = _loss_and_grads(state, mbs)
+    with _nonzero_lora_b(state):
+        monkeypatch.setattr(LoraParallelLinear, "_base", counted)
+        fast = _loss_and_grads(state, mbs)
+        monkeypatch.setattr(
+            LoraParallelLinear, "_base", lambda self, x, *a, **k: self.base_layer(x)
+        )
+        slow = _loss_and_grads(state, mbs)
     assert fast_calls and all(fast_calls), "every base ran as torch's F.linear"
-    monkeypatch.setattr(LoraParallelLinear, "_base", lambda self, x, *a, **k: self.base_layer(x))
-    slow = _loss_and_grads(state, mbs)
-    for p, p0 in zip(lora_b, saved):
-        p.data.copy_(p0)
     _close(fast, slow)
