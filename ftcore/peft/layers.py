@@ -32,6 +32,7 @@ from megatron.core.transformer.utils import (
 )
 from torch import nn
 
+from ftcore.peft import fused
 from ftcore.peft.config import COLUMN, SLICES, scaling  # noqa: F401 - re-exported
 from ftcore.runtime import cpu
 
@@ -228,6 +229,7 @@ class LoraParallelLinear(nn.Module):
         self.column = module in COLUMN
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
+        self._fused_layout = None
         for s, key in slices.items():
             out, inp = geo.out_in(s)
             if key not in self.lora_A:
@@ -250,11 +252,11 @@ class LoraParallelLinear(nn.Module):
         return row_lora(x, self.lora_A[key], self.lora_B[s], scale=self.scale, sp=self.sp,
                         dropout=self.dropout, training=self.training)  # fmt: skip
 
-    def _base(self, x, *args, **kwargs):
-        """The frozen base's (output, bias). On the CPU runtime at TP 1 (no SP, no bias) it is one
-        F.linear: megatron's linear adds only identity TP regions and Python autograd functions."""
+    def _plain_base(self, args, kwargs) -> bool:
+        """On the CPU runtime at TP 1 (no SP, no bias, no extra arguments) megatron's linear adds
+        only identity TP regions and Python autograd functions to one GEMM."""
         base = self.base_layer
-        if (
+        return (
             self.tp == 1
             and not self.sp
             and not args
@@ -264,11 +266,35 @@ class LoraParallelLinear(nn.Module):
             and base.bias is None
             and not base.weight.requires_grad
             and cpu.is_active()
-        ):
-            return F.linear(x, base.weight), None
-        return base(x, *args, **kwargs)
+        )
+
+    def _base(self, x, *args, **kwargs):
+        """The frozen base's (output, bias): one F.linear where `_plain_base`."""
+        if self._plain_base(args, kwargs):
+            return F.linear(x, self.base_layer.weight), None
+        return self.base_layer(x, *args, **kwargs)
+
+    def _layout(self) -> fused.Layout:
+        """Where each B writes in the base output (built once; see peft/fused.py)."""
+        if self._fused_layout is None:
+            out = self.base_layer.weight.shape[0]
+            idx = torch.arange(out)
+            if self.column:
+                views = _column_views(self.module, idx, self.geo, self.tp)
+                rows = {s: views[s].reshape(-1) for s in self.lora_B}
+            else:
+                rows = {s: idx for s in self.lora_B}
+            a_sizes = {k: a.shape[0] for k, a in self.lora_A.items()}
+            self._fused_layout = fused.layout(
+                out, a_sizes, {s: self.a_of[s] for s in self.lora_B}, rows
+            )
+        return self._fused_layout
 
     def forward(self, x, *args, **kwargs):
+        if self._plain_base(args, kwargs) and (self.dropout == 0.0 or not self.training):
+            w = self.base_layer.weight
+            return fused.lora_linear(x, w, self._layout(), self.scale, self.lora_A.values(),
+                                     self.lora_B.values()), None  # fmt: skip
         out, bias = self._base(x, *args, **kwargs)
         if self.column:  # added into the base's slices: no fused copy, no zeros for the rest
             deltas = {k: d.to(out.dtype) for k, d in self.column_deltas(x).items()}

@@ -350,27 +350,30 @@ def test_foreach_grad_norm_and_clip_are_megatrons():
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_frozen_base_as_f_linear_is_megatrons_linear(state, monkeypatch):
-    """LoraParallelLinear._base: on the CPU runtime at TP 1 the frozen base runs as F.linear (no
-    megatron TP regions or Python autograd function): the same loss and adapter gradients as
-    megatron's ColumnParallelLinear/RowParallelLinear (nonzero B, so A's gradients count too)."""
-    from ftcore.peft.layers import LoraParallelLinear
+def test_fused_lora_linear_is_megatrons_linear_plus_adapters(state, monkeypatch):
+    """On the CPU runtime at TP 1 each LoRA linear runs as one autograd function with its frozen
+    base (peft/fused.py): the same loss and adapter gradients as megatron's
+    ColumnParallelLinear/RowParallelLinear plus the adapters' own autograd path (nonzero B, so A's
+    gradients count too), and every adapted linear took the fused path."""
+    from ftcore.peft import fused
+    from ftcore.peft.layers import LoraParallelLinear, add_column
 
     mbs = state.loader.next_microbatches()
-    fast_calls = []
-    fast_base = LoraParallelLinear._base
+    calls = []
+    fused_linear = fused.lora_linear
+    monkeypatch.setattr(fused, "lora_linear", lambda *a: calls.append(1) or fused_linear(*a))
 
-    def counted(self, x, *a, **k):
-        out = fast_base(self, x, *a, **k)
-        fast_calls.append("FrozenWeight" not in type(out[0].grad_fn).__name__)
-        return out
+    def unfused(self, x):
+        out, bias = self.base_layer(x)
+        if self.column:
+            return add_column(out, self.module, self.column_deltas(x), self.geo, self.tp), bias
+        return out + self.lora_delta(x), bias
 
     with _nonzero_lora_b(state):
-        monkeypatch.setattr(LoraParallelLinear, "_base", counted)
         fast = _loss_and_grads(state, mbs)
-        monkeypatch.setattr(
-            LoraParallelLinear, "_base", lambda self, x, *a, **k: self.base_layer(x)
-        )
+        n_fast = len(calls)
+        monkeypatch.setattr(LoraParallelLinear, "forward", unfused)
         slow = _loss_and_grads(state, mbs)
-    assert fast_calls and all(fast_calls), "every base ran as torch's F.linear"
+    n_linears = sum(isinstance(m, LoraParallelLinear) for c in state.model for m in c.modules())
+    assert n_fast >= n_linears > 0 and len(calls) == n_fast, "fused path taken, then not"
     _close(fast, slow)

@@ -1,0 +1,113 @@
+"""A LoRA linear and its frozen base as one autograd function (CPU runtime, TP 1).
+
+Built from autograd's pieces, one adapted linear is the base GEMM, A·x, one B GEMM per slice, the
+adds that put the slices into the base output, and in backward an extra [tokens, in] add where the
+base's and the adapter's input gradients meet: a dozen autograd nodes and as many small kernels
+per linear, which on a CPU with a tiny model cost as much as the GEMMs. Here the forward adds each
+B product into its slice of the base output in place (addmm into a strided view), and the backward
+adds the adapter's input gradient into the base's (addmm again). Same products, summed in another
+order, so results agree to rounding (tests/unit/test_lora_fused.py).
+
+Slices that are one contiguous run of the fused output (gate/up, a row-parallel output) take one
+addmm each. linear_qkv interleaves q, k and v per query group, so there the slices' B matrices are
+laid into one [out, r * slices] matrix (zeros elsewhere) and one GEMM serves them all: a few
+wasted multiplies by zero in r-wide GEMMs instead of a GEMM per group and slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each B writes: for slice i, A's rows a_cols[i] feed B i, whose output rows land at
+    `rows[i]` of the fused output (one contiguous run `runs[i]` when `dense` is False)."""
+
+    out: int
+    a_sizes: tuple[int, ...]  # rows of each A, in the order they are concatenated
+    a_cols: tuple[tuple[int, int], ...]  # per B: its A's rows in the concatenated A
+    runs: tuple[tuple[int, int], ...]  # per B: (first, end) output row, when contiguous
+    rows: tuple[torch.Tensor, ...]  # per B: output rows, when not
+    dense: bool
+
+
+def layout(out: int, a_sizes: dict[str, int], b_of: dict[str, str], rows: dict) -> Layout:
+    """a_sizes: A key -> rank; b_of: slice -> its A key; rows: slice -> LongTensor of the fused
+    output rows its B writes, in B's row order."""
+    starts, c = {}, 0
+    for key, r in a_sizes.items():
+        starts[key], c = (c, c + r), c + r
+    names = list(b_of)
+    runs, contiguous = [], True
+    for s in names:
+        idx = rows[s]
+        first, end = int(idx[0]), int(idx[-1]) + 1
+        contiguous &= end - first == idx.numel() and bool((idx.diff() == 1).all())
+        runs.append((first, end))
+    return Layout(out, tuple(a_sizes.values()), tuple(starts[b_of[s]] for s in names),
+                  tuple(runs), tuple(rows[s] for s in names), not contiguous)  # fmt: skip
+
+
+class _LoraLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, lay: Layout, scale: float, *params):
+        n_a = len(lay.a_sizes)
+        a = torch.cat(params[:n_a]) if n_a > 1 else params[0]
+        a = (a * scale).to(x.dtype)
+        bs = [b.to(x.dtype) for b in params[n_a:]]
+        x2 = x.reshape(-1, x.shape[-1])
+        y = x2 @ weight.t()
+        h = x2 @ a.t()  # [tokens, r * A's]
+        if lay.dense:
+            b_full = _dense_b(lay, bs, h)
+            y.addmm_(h, b_full.t())
+        else:
+            b_full = None
+            for (c0, c1), (r0, r1), b in zip(lay.a_cols, lay.runs, bs):
+                y[:, r0:r1].addmm_(h[:, c0:c1], b.t())
+        ctx.save_for_backward(x2, weight, a, h, *bs)
+        ctx.b_full, ctx.lay, ctx.scale, ctx.lead = b_full, lay, scale, x.shape[:-1]
+        ctx.dtypes = [p.dtype for p in params]
+        return y.view(*x.shape[:-1], lay.out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, weight, a, h, *bs = ctx.saved_tensors
+        lay = ctx.lay
+        g = grad.reshape(-1, lay.out)
+        if lay.dense:
+            dh = g @ ctx.b_full
+            db_full = g.t() @ h
+            dbs = [db_full[:, c0:c1].index_select(0, rows) for (c0, c1), rows in zip(lay.a_cols, lay.rows)]  # fmt: skip
+        else:
+            dh = h.new_zeros(h.shape)
+            dbs = []
+            for (c0, c1), (r0, r1), b in zip(lay.a_cols, lay.runs, bs):
+                dh[:, c0:c1].addmm_(g[:, r0:r1], b)
+                dbs.append(g[:, r0:r1].t() @ h[:, c0:c1])
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = g @ weight
+            dx.addmm_(dh, a)
+            dx = dx.view(*ctx.lead, x2.shape[-1])
+        da = (dh.t() @ x2) * ctx.scale
+        das = da.split(list(lay.a_sizes)) if len(lay.a_sizes) > 1 else (da,)
+        grads = [t.to(dt) for t, dt in zip([*das, *dbs], ctx.dtypes)]
+        return dx, None, None, None, *grads
+
+
+def _dense_b(lay: Layout, bs: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    """The slices' B matrices in one [out, r * A's] matrix: B i at its output rows and its A's
+    columns, zero elsewhere."""
+    full = h.new_zeros(lay.out, h.shape[-1])
+    for (c0, c1), rows, b in zip(lay.a_cols, lay.rows, bs):
+        full[:, c0:c1].index_copy_(0, rows, b)
+    return full
+
+
+def lora_linear(x, weight, lay: Layout, scale: float, a_params, b_params) -> torch.Tensor:
+    """x @ weight.T + the adapters' outputs in their slices; weight is frozen."""
+    return _LoraLinear.apply(x, weight, lay, scale, *a_params, *b_params)
