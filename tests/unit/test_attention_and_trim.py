@@ -377,3 +377,34 @@ def test_fused_lora_linear_is_megatrons_linear_plus_adapters(state, monkeypatch)
     n_linears = sum(isinstance(m, LoraParallelLinear) for c in state.model for m in c.modules())
     assert n_fast >= n_linears > 0 and len(calls) == n_fast, "fused path taken, then not"
     _close(fast, slow)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_rmsnorm_function_is_the_autograd_formula(dtype):
+    """The norm's closed-form backward (models/norm.py) == autograd through x r w, for x and a
+    trained weight; gradcheck in float64; bf16 in, bf16 out, fp32 inside (float64 stays float64)."""
+    from types import SimpleNamespace
+
+    from ftcore.models.norm import RMSNorm
+
+    cfg = SimpleNamespace(params_dtype=dtype, sequence_parallel=False)
+    norm = RMSNorm(cfg, 16, eps=1e-5)
+    norm.weight.data.normal_(1.0, 0.3)
+    x = torch.randn(5, 3, 16, dtype=dtype).mul_(2.0).requires_grad_()
+    g = torch.randn(5, 3, 16, dtype=dtype)
+
+    def formula(x, w):
+        ct = torch.promote_types(dtype, torch.float32)
+        x32 = x.to(ct)
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5) * w.to(ct)).to(dtype)
+
+    got, want = norm(x), formula(x, norm.weight)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got, want, **tol)
+    assert got.dtype == dtype
+    for a, b in zip(torch.autograd.grad(got, (x, norm.weight), g),
+                    torch.autograd.grad(want, (x, norm.weight), g)):  # fmt: skip
+        torch.testing.assert_close(a, b, **tol)
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(lambda x, w: norm.forward.__func__(
+            SimpleNamespace(weight=w, eps=1e-5), x), (x, norm.weight))  # fmt: skip
