@@ -65,8 +65,8 @@ def instrument(state, timers: Timers) -> None:
 
     trainer.run_batches = timers.wrap("fwd_bwd", trainer.run_batches)
     state.loader.next_microbatches = timers.wrap("data", state.loader.next_microbatches)
-    for name in ("prepare_grads", "get_grad_norm"):
-        setattr(state.optimizer, name, timers.wrap("optimizer", getattr(state.optimizer, name)))
+    state.optimizer.prepare_grads = timers.wrap("optimizer", state.optimizer.prepare_grads)
+    trainer.optim.grad_norm = timers.wrap("optimizer", trainer.optim.grad_norm)
     trainer.optim.step_with_norm = timers.wrap("optimizer", trainer.optim.step_with_norm)
     config = state.model[0].config
     config.finalize_model_grads_func = timers.wrap("grad_sync", config.finalize_model_grads_func)

@@ -179,7 +179,7 @@ def train_step(state: TrainState) -> dict:
         # Non-finite grads must be caught before the update: without loss scaling megatron's step
         # applies them (clipping skips a NaN norm), poisoning the weights a skip should protect.
         found_inf = state.optimizer.prepare_grads()
-        norm = float("nan") if found_inf else float(state.optimizer.get_grad_norm() or 0.0)
+        norm = float("nan") if found_inf else optim.grad_norm(state.optimizer)
         if not math.isfinite(norm) or not optim.step_with_norm(state.optimizer, norm):
             return {
                 "loss": loss,

@@ -245,16 +245,20 @@ def test_documents_cover_every_position_once_in_length_buckets():
     assert placed[d.order].tolist() == list(range(12))
 
 
-def test_step_with_norm_is_megatrons_step(state):
+@pytest.mark.parametrize("buffers", [True, False], ids=["grad-buffers", "megatron-loops"])
+def test_step_with_norm_is_megatrons_step(state, buffers, monkeypatch):
     """trainer.train_step computes the gradient norm once (to skip non-finite steps), then
     optim.step_with_norm clips by it and updates: the same parameters as megatron's step(), with
-    a clip that bites."""
+    a clip that bites; by whole DDP grad buffers (the CPU runtime here) or megatron's loops."""
     import copy
 
     from ftcore import optim, trainer
     from ftcore.runtime import cpu
 
     opt = state.optimizer
+    assert opt.ftcore_grad_buffers is not None
+    if not buffers:
+        monkeypatch.setattr(opt, "ftcore_grad_buffers", None)
     inner = [o.optimizer for o in opt.chained_optimizers]
     params = [p for chunk in state.model for p in chunk.parameters() if p.requires_grad]
     start = [p.detach().clone() for p in params]
@@ -283,7 +287,7 @@ def test_step_with_norm_is_megatrons_step(state):
         ref = [p.detach().clone() for p in params]
         restart()
         assert not opt.prepare_grads()
-        norm = float(opt.get_grad_norm())
+        norm = optim.grad_norm(opt)
         assert optim.step_with_norm(opt, norm)
     assert ok and norm == pytest.approx(float(norm_ref), rel=1e-6) and norm > 1e-2
     moved = max(float((a - b).abs().max()) for a, b in zip(ref, start))
