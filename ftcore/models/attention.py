@@ -37,9 +37,18 @@ class Documents:
                            for x in (self.buckets, self.kept, self.singles, self.order)))  # fmt: skip
 
 
+def bucket_width(length: int, min_width: int) -> int:
+    """The next power of two or three quarters of one (16, 24, 32, 48, 64, 96, ...): two buckets
+    per octave bound the attended area to 2.25x the documents' (vs 4x for powers of two; 20-30 token
+    documents: A/B 0.988 of the packed step) and the SDPA calls per layer by 2 log2(s)."""
+    w = max(min_width, length)
+    p = 1 << (w - 1).bit_length()
+    return p * 3 // 4 if p * 3 // 4 >= w else p
+
+
 def documents(segment_ids: torch.Tensor, min_width: int = 16) -> Documents:
     """Runs of equal non-zero segment ids ([b, s], as attention_mask_from_segments reads them),
-    bucketed by the next power of two of their length so little padding is attended."""
+    bucketed by `bucket_width` of their length so little padding is attended."""
     b, s = segment_ids.shape
     by_width: dict[int, list[list[int]]] = {}
     singles: list[int] = []
@@ -52,7 +61,7 @@ def documents(segment_ids: torch.Tensor, min_width: int = 16) -> Documents:
             if len(pos) == 1:
                 singles += pos
             else:
-                width = max(min_width, 1 << (len(pos) - 1).bit_length())
+                width = bucket_width(len(pos), min_width)
                 by_width.setdefault(width, []).append(pos)
             start = i
     buckets, kept, dst = [], [], []

@@ -234,15 +234,19 @@ def test_target_rows_follow_megatrons_sequence_first_order():
 
 
 def test_documents_cover_every_position_once_in_length_buckets():
-    from ftcore.models.attention import documents
+    from ftcore.models.attention import bucket_width, documents
 
-    seg = torch.tensor([[1, 1, 1, 2, 0, 0], [1, 1, 2, 2, 2, 3]])  # [b, s]; flat = pos * b + row
-    d = documents(seg, min_width=2)
-    assert [t.tolist() for t in d.buckets] == [[[1, 3]], [[0, 2, 4, 0], [5, 7, 9, 5]]]
-    assert [t.tolist() for t in d.kept] == [[0, 1], [0, 1, 2, 4, 5, 6]]
-    assert d.singles.tolist() == [6, 8, 10, 11]  # one-token documents and padding
+    widths = {n: bucket_width(n, 16) for n in (2, 16, 17, 20, 24, 25, 33, 48, 49, 100, 128)}
+    assert widths == {2: 16, 16: 16, 17: 24, 20: 24, 24: 24, 25: 32, 33: 48, 48: 48, 49: 64,
+                      100: 128, 128: 128}  # fmt: skip
+    seg = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 2], [1, 1, 2, 2, 2, 3, 0, 0]])  # [b, s]
+    d = documents(seg, min_width=2)  # flat position = pos * b + row; widths 2, 3, 6
+    assert [t.tolist() for t in d.buckets] == [[[1, 3]], [[0, 2, 4], [5, 7, 9]],
+                                               [[6, 8, 10, 12, 14, 6]]]  # fmt: skip
+    assert [t.tolist() for t in d.kept] == [[0, 1], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4]]
+    assert d.singles.tolist() == [11, 13, 15]  # one-token documents and padding
     placed = torch.cat([b.view(-1)[k] for b, k in zip(d.buckets, d.kept)] + [d.singles])
-    assert placed[d.order].tolist() == list(range(12))
+    assert placed[d.order].tolist() == list(range(16))
 
 
 @pytest.mark.parametrize("buffers", [True, False], ids=["grad-buffers", "megatron-loops"])
