@@ -10,7 +10,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from omegaconf import DictConfig
 
-from ftcore.models import rope
+from ftcore.models import rope, swiglu
 from ftcore.models.attention import SdpaAttention
 from ftcore.models.norm import RMSNorm
 from ftcore.planner.layers import split_layers
@@ -65,7 +65,8 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
         output_layer_init_method=_no_init,
         embedding_init_method=_no_init,
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
+        # on CPU megatron's fused bias-SwiGLU hook runs ftcore.models.swiglu (no bias here)
+        bias_activation_fusion=on_cpu and swiglu.use_cpu_swiglu(),
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         # on CPU megatron's RoPE goes through ftcore.models.rope.apply_rope (TE's kernel on GPU)

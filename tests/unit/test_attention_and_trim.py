@@ -416,3 +416,28 @@ def test_rmsnorm_function_is_the_autograd_formula(dtype):
     if dtype == torch.float64:
         assert torch.autograd.gradcheck(lambda x, w: norm.forward.__func__(
             SimpleNamespace(weight=w, eps=1e-5), x), (x, norm.weight))  # fmt: skip
+
+
+def test_swiglu_function_is_megatrons_glu(state, monkeypatch):
+    """models/swiglu.py: silu(gate) * up with each half's gradient written into one tensor ==
+    autograd through megatron's glu (float64, gradcheck), and the model's MLPs run it on CPU."""
+    from ftcore.models import swiglu
+
+    x = torch.randn(3, 2, 10, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 2, 5, dtype=torch.float64)
+    gate, up = torch.chunk(x, 2, dim=-1)
+    want = torch.nn.functional.silu(gate) * (up + 0.0)
+    got = swiglu.swiglu(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(got, x, g)[0], torch.autograd.grad(want, x, g)[0],
+                               rtol=1e-15, atol=1e-15)  # fmt: skip
+    assert torch.autograd.gradcheck(swiglu.swiglu, (x,))
+
+    calls = []
+    monkeypatch.setattr(
+        swiglu, "swiglu", lambda t: calls.append(t.shape) or swiglu._SwiGLU.apply(t)
+    )
+    assert all(chunk.config.bias_activation_fusion for chunk in state.model)
+    _loss_and_grads(state, state.loader.next_microbatches())
+    layers = sum(len(chunk.module.decoder.layers) for chunk in state.model)
+    assert len(calls) >= layers > 0
