@@ -3,8 +3,8 @@ are in flight on each pipeline rank.
 
 Two implementations are modelled, because they save different tensors:
 - `local`: megatron's local layer spec (CPU runs) with torch SDPA as core attention (no
-  [b, heads, s, s] softmax kept, but an additive mask per layer), ftcore's RMSNorm keeps fp32
-  copies, frozen linears keep no input.
+  [b, heads, s, s] softmax kept, but an additive mask per layer), ftcore's RMSNorm and SwiGLU
+  functions (input and rstd; fc1 output and silu(gate)), frozen linears keep no input.
 - `te`: Transformer Engine's spec (GPU runs): flash attention (q, k, v, output, logsumexp), fused
   LayerNorm-Linear (input, rstd, normed output), fused SwiGLU (its input); FP8 linears keep their
   inputs quantized (1 byte).
@@ -111,8 +111,8 @@ def layer_parts(sh: Shape) -> dict[str, int]:
     lin_b = 1 if sh.fp8 else ab  # bytes of a saved linear input
     parts: dict[str, int] = {}
     if sh.impl == "local":
-        # ftcore RMSNorm: fp32 input copy + rstd (+ the normalised fp32 y for the weight grad).
-        norm = T * hs * 4 + T * 4 + (T * hs * 4 if sh.full else 0) + (sh.h * 4 if ab != 4 else 0)
+        # ftcore RMSNorm (models/norm.py): its input as it is, and the fp32 rstd.
+        norm = T * hs * ab + T * 4
         parts["attn_norm"] = norm
         parts["qkv"] = T * hs * ab if _keeps_input(sh, "linear_qkv") else 0
         parts["rope"] = 4 * sh.sl * sh.d * ab
@@ -125,7 +125,7 @@ def layer_parts(sh: Shape) -> dict[str, int]:
         parts["proj"] = T * sh.q // t * ab if _keeps_input(sh, "linear_proj") else 0
         parts["mlp_norm"] = norm
         parts["fc1"] = T * hs * ab if _keeps_input(sh, "linear_fc1") else 0
-        parts["swiglu"] = 4 * T * sh.f // t * ab  # fc1 output, silu(gate), up + 0
+        parts["swiglu"] = 3 * T * sh.f // t * ab  # fc1 output (gate, up), silu(gate): swiglu.py
         parts["fc2"] = T * sh.f // t * ab if _keeps_input(sh, "linear_fc2") else 0
     else:
         # TE LayerNormLinear: input, rstd, normalised output (quantized under FP8).
@@ -184,10 +184,7 @@ def loss_bytes(sh: Shape) -> dict[str, int]:
     """Last stage: final norm, output-layer input, the cross entropy's fp32 softmax (at the target
     positions only, and the final norm too when the last MLP picked them)."""
     T = sh.target_tokens if sh.mlp_picks else sh.tokens
-    if sh.impl == "local":
-        norm = T * sh.hs * 4 + T * 4 + (T * sh.hs * 4 if sh.full else 0)
-    else:
-        norm = T * sh.hs * sh.ab + T * 4
+    norm = T * sh.hs * sh.ab + T * 4  # ftcore's RMSNorm and TE's alike: input and rstd
     head_in = sh.target_tokens * sh.h * sh.ab if sh.full else 0  # gathered under SP, then picked
     return {
         "final_norm": norm,

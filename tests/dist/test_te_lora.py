@@ -103,15 +103,20 @@ def _case(tp: int, sp: bool) -> dict:
         theirs = dict(b_.named_parameters())
         for name, pa in a.named_parameters():
             if "lora_" in name:
-                out[f"{a.module}.{name}"] = (pa.grad - theirs[name].grad).abs().max().item()
+                scale = pa.grad.abs().max().item()  # relative: these reach ~1e2-1e3 here
+                out[f"{a.module}.{name}"] = (pa.grad - theirs[name].grad).abs().max().item() / scale
     return out
 
 
 def _check(results):
+    """Equal up to float32 rounding (relative to each gradient's size): the local layer at TP 1
+    runs peft/fused.py, which sums the same products in another order."""
     for res in results:
         assert res["dx_norm"] > 0
         for key, diff in res.items():
-            if key != "dx_norm":
+            if key == "dx":
+                assert diff < 1e-6 * res["dx_norm"], (key, diff, res)
+            elif key != "dx_norm":
                 assert diff < 1e-5, (key, diff, res)
 
 
