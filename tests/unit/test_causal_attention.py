@@ -1,0 +1,59 @@
+"""The CPU runtime's attention for packed documents against torch's SDPA, the oracle: the batched
+causal kernel (GQA without copies, mask and scale in one baddbmm) and the per-head gathers that
+put every document's output back in megatron's order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ftcore.models.attention import causal_attention, documents
+
+
+@pytest.mark.parametrize("heads, groups, width", [(8, 4, 24), (4, 4, 16), (6, 1, 5), (4, 2, 128)])
+def test_causal_attention_is_sdpa(heads, groups, width):
+    torch.manual_seed(0)
+    q = torch.randn(3, heads, width, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(3, groups, width, 8, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    out = causal_attention(q, k, v, 0.3)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(ref)
+    for a, b in zip(
+        torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)
+    ):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("matmul_width", [128, 0], ids=["matmuls", "flash"])
+def test_per_document_attention_is_sdpa_per_document(matmul_width, monkeypatch):
+    """Documents of 1-11 tokens in two rows (positions flattened [s, b] as megatron orders
+    them): each output position equals SDPA over its own document's prefix; padding (segment 0)
+    and one-token documents take their value. Buckets wider than MATMUL_WIDTH take the flash
+    kernel."""
+    from ftcore.models import attention
+    from ftcore.models.attention import SdpaAttention
+
+    monkeypatch.setattr(attention, "MATMUL_WIDTH", matmul_width)
+    seg = torch.tensor([[1] * 11 + [2] * 3 + [3] + [0], [1] * 2 + [2] * 7 + [3] * 5 + [0] * 2])
+    b, s = seg.shape
+    heads, groups, d = 4, 2, 8
+    torch.manual_seed(1)
+    q = torch.randn(s, b, heads, d, dtype=torch.float64)
+    k, v = (torch.randn(s, b, groups, d, dtype=torch.float64) for _ in "kv")
+    attn = SdpaAttention.__new__(SdpaAttention)  # the method reads only the softmax scale
+    attn.softmax_scale = 0.5
+    out = attn._per_document(q, k, v, documents(seg, min_width=4)).view(s, b, heads, d)
+    for r in range(b):
+        ids = seg[r].tolist()
+        for start in range(s):
+            if start and ids[start] == ids[start - 1] and ids[start]:
+                continue  # not the first token of its document
+            end = start + 1
+            while ids[start] and end < s and ids[end] == ids[start]:
+                end += 1
+            qd, kd, vd = (t[start:end, r].transpose(0, 1)[None] for t in (q, k, v))
+            ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=0.5,
+                                                 enable_gqa=True)  # fmt: skip
+            torch.testing.assert_close(out[start:end, r], ref[0].transpose(0, 1))
