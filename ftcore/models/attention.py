@@ -28,8 +28,10 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 class HeadIndex:
     """Row indices for one head layout, into tensors flattened to [tokens * heads, d] rows."""
 
-    q: list[torch.Tensor]  # per bucket: [n * heads * width] query rows, as [n, groups, r * width]
-    kv: list[torch.Tensor]  # per bucket: [n * groups * width] key/value rows
+    q: torch.Tensor  # every bucket's [n * heads * width] query rows, as [n, groups, r * width]
+    kv: torch.Tensor  # every bucket's [n * groups * width] key/value rows
+    q_sizes: list[int]  # rows per bucket
+    kv_sizes: list[int]
     singles: torch.Tensor  # [len(singles) * heads] value rows (their head's group)
     out: torch.Tensor  # [s * b * heads]: rows of cat(bucket outputs, singles) in megatron's order
 
@@ -71,7 +73,9 @@ def _head_index(docs: Documents, heads: int, groups: int) -> HeadIndex:
     singles = (docs.singles[:, None] * groups + (h // (heads // groups))[None, :]).reshape(-1)
     slots.append(offset + torch.arange(docs.singles.numel() * heads, device=dev).view(-1, heads))
     out = torch.cat(slots)[docs.order].reshape(-1)  # [s * b, heads] -> flat
-    return HeadIndex(q, kv, singles, out)
+    sizes = [[t.numel() for t in x] for x in (q, kv)]
+    none = torch.empty(0, dtype=torch.long, device=dev)  # every document is one token long
+    return HeadIndex(torch.cat([none, *q]), torch.cat([none, *kv]), *sizes, singles, out)
 
 
 def bucket_width(length: int, min_width: int) -> int:
@@ -184,11 +188,13 @@ class SdpaAttention(DotProductAttention):
         heads, groups, d = query.shape[2], key.shape[2], query.shape[3]
         index = docs.heads(heads, groups)
         q, k, v = (t.reshape(-1, d) for t in (query, key, value))  # [s * b * heads, d] rows
+        qs = q.index_select(0, index.q).split(index.q_sizes)  # one gather for every bucket
+        ks, vs = (t.index_select(0, index.kv).split(index.kv_sizes) for t in (k, v))
         outs = []
-        for pos, qi, kvi in zip(docs.buckets, index.q, index.kv):
+        for pos, qd, kd, vd in zip(docs.buckets, qs, ks, vs):
             n, width = pos.shape
-            qd = q.index_select(0, qi).view(n, heads, width, d)
-            kd, vd = (t.index_select(0, kvi).view(n, groups, width, d) for t in (k, v))
+            qd = qd.view(n, heads, width, d)
+            kd, vd = kd.view(n, groups, width, d), vd.view(n, groups, width, d)
             # causal: no token of a document attends the padding after it
             if width <= MATMUL_WIDTH:
                 ctx = causal_attention(qd, kd, vd, self.softmax_scale)

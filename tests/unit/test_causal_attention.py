@@ -33,10 +33,17 @@ def test_per_document_attention_is_sdpa_per_document(matmul_width, monkeypatch):
     and one-token documents take their value. Buckets wider than MATMUL_WIDTH take the flash
     kernel."""
     from ftcore.models import attention
-    from ftcore.models.attention import SdpaAttention
 
     monkeypatch.setattr(attention, "MATMUL_WIDTH", matmul_width)
-    seg = torch.tensor([[1] * 11 + [2] * 3 + [3] + [0], [1] * 2 + [2] * 7 + [3] * 5 + [0] * 2])
+    _check_per_document(
+        torch.tensor([[1] * 11 + [2] * 3 + [3] + [0], [1] * 2 + [2] * 7 + [3] * 5 + [0] * 2])
+    )
+    _check_per_document(torch.tensor([[1, 2, 3, 0], [1, 0, 0, 0]]))  # one-token documents only
+
+
+def _check_per_document(seg):
+    from ftcore.models.attention import SdpaAttention
+
     b, s = seg.shape
     heads, groups, d = 4, 2, 8
     torch.manual_seed(1)
