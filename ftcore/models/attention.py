@@ -127,7 +127,7 @@ def with_documents(mask: torch.Tensor, docs: Documents) -> torch.Tensor:
 
 
 _CAUSAL: dict[tuple, torch.Tensor] = {}
-MATMUL_WIDTH = 128  # widest bucket for causal_attention: its softmax keeps [heads, w, w] per doc
+MATMUL_WIDTH = 128  # widest bucket for causal_attention (fp32, fp64): it keeps [heads, w, w]
 
 
 def causal_attention(q, k, v, scale: float) -> torch.Tensor:
@@ -188,6 +188,7 @@ class SdpaAttention(DotProductAttention):
         heads, groups, d = query.shape[2], key.shape[2], query.shape[3]
         index = docs.heads(heads, groups)
         q, k, v = (t.reshape(-1, d) for t in (query, key, value))  # [s * b * heads, d] rows
+        exact = q.dtype in (torch.float32, torch.float64)  # flash accumulates bf16 in fp32
         qs = q.index_select(0, index.q).split(index.q_sizes)  # one gather for every bucket
         ks, vs = (t.index_select(0, index.kv).split(index.kv_sizes) for t in (k, v))
         outs = []
@@ -196,7 +197,7 @@ class SdpaAttention(DotProductAttention):
             qd = qd.view(n, heads, width, d)
             kd, vd = kd.view(n, groups, width, d), vd.view(n, groups, width, d)
             # causal: no token of a document attends the padding after it
-            if width <= MATMUL_WIDTH:
+            if width <= MATMUL_WIDTH and exact:
                 ctx = causal_attention(qd, kd, vd, self.softmax_scale)
             else:  # flash: its memory grows with width, not width squared
                 ctx = F.scaled_dot_product_attention(
