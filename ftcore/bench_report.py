@@ -65,13 +65,15 @@ def _header(lines: list[dict]) -> list[str]:
     where = f"{m.get('host')}: {m.get('cpu')}, {m.get('cores')} cores" + (
         f", {m['gpu']}" if m.get("gpu") else ""
     )
-    return [
+    head = [
         f"# bench {first['bench']} ({first['invocation']})",
         "",
         f"`{first['command']}` at commit {first.get('commit')}, {first['time']}",
         f"on {where}{load_txt}.",
-        "",
     ]
+    if m.get("packages"):
+        head.append("Packages: " + ", ".join(f"{k} {v}" for k, v in m["packages"].items()) + ".")
+    return [*head, ""]
 
 
 def layouts_md(lines: list[dict]) -> list[str]:

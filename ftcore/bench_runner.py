@@ -111,6 +111,7 @@ def machine() -> dict:
     except OSError:
         pass
     info = {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count()}
+    info["packages"] = package_versions()
     try:
         import torch
 
@@ -120,6 +121,23 @@ def machine() -> dict:
     except Exception:  # noqa: BLE001 - informational only
         pass
     return info
+
+
+BENCH_PACKAGES = ("torch", "megatron-core", "transformers", "peft", "accelerate", "datasets")
+
+
+def package_versions() -> dict[str, str]:
+    """Installed versions of what a benchmark's numbers depend on: a fresh install can resolve a
+    newer Hugging Face stack, which moved cpu_vs_hf's eval losses by ~1% with the same bench code."""
+    from importlib import metadata
+
+    out = {}
+    for name in BENCH_PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
 
 
 def load_avg() -> list[float]:

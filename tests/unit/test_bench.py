@@ -117,6 +117,14 @@ def test_tiny_layout_bench_end_to_end(tmp_path):
     assert len(line["losses"]) == 2 and all(math.isfinite(x) for x in line["losses"])
     md = (out / "bench.md").read_text()
     assert "| single | tp1 pp1 dp1 packed |" in md and line["command"] in md
+    # the versions the numbers came from, as the packages themselves report them
+    import torch
+    import transformers
+
+    packages = line["machine"]["packages"]
+    assert packages["torch"] == torch.__version__
+    assert packages["transformers"] == transformers.__version__
+    assert f"transformers {transformers.__version__}" in md
 
 
 def test_cpu_vs_hf_end_to_end(tmp_path):
