@@ -13,6 +13,9 @@ segment ids that built it), each document is attended on its own, causally, gath
 of similar length into a padded batch: what THD does on GPU. Documents of one token (and padding,
 which attends only to itself) need no attention: their output is their value. The buckets are
 small (16-128 tokens), where batched matmuls (`causal_attention`) beat the flash kernel.
+
+The last layer's queries are needed only at the target positions (models/target_logits.py asks
+through `query_rows`): `attention_at_rows` attends just those.
 """
 
 from __future__ import annotations
@@ -154,7 +157,43 @@ def causal_attention(q, k, v, scale: float) -> torch.Tensor:
     return ctx.view(n, heads, w, d)
 
 
+def attention_at_rows(query, key, value, mask, rows, scale: float) -> torch.Tensor:
+    """The attention output at the flattened [s, b] positions `rows` only, [n, heads * d].
+
+    The last layer's output matters only where the loss reads it (models/target_logits.py): its
+    keys and values need every position, its queries only those. The rows are laid out per
+    sequence in a [b, width] grid (width: the most rows of one sequence; spare cells query
+    position 0, which attends itself, and are dropped), and SDPA attends them with their own mask
+    rows: packed and padded batches take the same path, ~15% of the full attention's scores."""
+    s, b, heads, d = query.shape
+    n = rows.numel()
+    col = rows % b
+    order = torch.argsort(col * (s * b) + rows)  # by sequence, then position
+    counts = torch.bincount(col, minlength=b)
+    width = int(counts.max())
+    by_col = col[order]
+    first = (counts.cumsum(0) - counts)[by_col]  # each row's sequence starts there in `order`
+    cell = by_col * width + torch.arange(n, device=rows.device) - first
+    grid = torch.arange(b, device=rows.device).repeat_interleave(width)  # position 0 of each
+    grid[cell] = rows[order]
+    pos, seq = grid // b, grid % b
+    q = query.reshape(s * b, heads, d).index_select(0, grid).view(b, width, heads, d)
+    k, v = (t.permute(1, 2, 0, 3) for t in (key, value))  # [b, groups, s, d]
+    own = mask[seq if mask.shape[0] > 1 else torch.zeros_like(seq), 0, pos]  # True = masked out
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=~own.view(b, 1, width, s), scale=scale,
+        enable_gqa=k.shape[1] != heads,
+    )  # fmt: skip
+    home = torch.empty_like(order)
+    home[order] = cell
+    return out.transpose(1, 2).reshape(b * width, heads * d).index_select(0, home)
+
+
 class SdpaAttention(DotProductAttention):
+    # target_logits sets query_rows for one forward of the last layer; rows_done says it was served
+    query_rows: torch.Tensor | None = None
+    rows_done: bool = False
+
     def _megatron_only(self) -> bool:
         c = self.config
         return (
@@ -172,6 +211,12 @@ class SdpaAttention(DotProductAttention):
                                    attention_bias, packed_seq_params)  # fmt: skip
         assert packed_seq_params is None, "packed rows take a block-diagonal mask on this path"
         s, b = query.shape[0], query.shape[1]
+        rows = self.query_rows
+        if rows is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1:
+            if 2 * rows.numel() <= s * b:  # else attending every row costs less
+                self.rows_done = True
+                ctx = attention_at_rows(query, key, value, attention_mask, rows, self.softmax_scale)
+                return ctx.view(-1, 1, self.hidden_size_per_partition)
         docs = getattr(attention_mask, "ftcore_documents", None)
         if docs is not None:
             ctx = self._per_document(query, key, value, docs)

@@ -3,11 +3,13 @@
 Fine-tuning data trains on responses: in the bundled instruction set 15% of the tokens are
 targets. Logits at the other positions feed a cross entropy that the loss mask multiplies by zero,
 yet they cost a [tokens x hidden x vocab] GEMM forward and backward, several passes over
-[tokens x vocab] in the loss, and the last layer's MLP, whose output feeds nothing else. So the
-last stage gathers the hidden states at the target positions ([n, 1, h]) before the last layer's
-MLP (or, where that cannot be done, before the output layer), and the loss gathers labels and
-mask the same way: the same sum over the same targets, and the same gradients (the gather's
-backward scatters them back into [s, b, h]).
+[tokens x vocab] in the loss, and in the last layer the MLP, the attention's queries and output
+projection, whose outputs feed nothing else there. So the
+last stage computes the last layer from its attention's queries on at the target positions only
+([n, 1, h]; keys and values still need every position), or where that cannot be done from its MLP
+on, or else from the output layer on; the loss gathers labels and mask the same way: the same sum
+over the same targets, and the same gradients (the gather's backward scatters them back into
+[s, b, h]).
 
 Under sequence parallelism a rank holds a chunk of the sequence: the output layer's input is
 all-gathered first (its backward takes this rank's chunk of a gradient that the output layer's TP
@@ -63,10 +65,56 @@ def _mlp_can_pick(chunk) -> bool:
     )
 
 
+def _attention_can_pick(chunk) -> bool:
+    """Also the last layer's attention: when its core attention can serve `query_rows` (ftcore's
+    SdpaAttention, not Transformer Engine's), no recompute reruns it after `only_at` has ended, and
+    its residual add is a plain function that can be wrapped."""
+    last = chunk.decoder.layers[-1]
+    core = getattr(last.self_attention, "core_attention", None)
+    return (
+        _mlp_can_pick(chunk)
+        and chunk.config.recompute_granularity is None
+        and hasattr(core, "query_rows")
+        and not getattr(chunk.config, "attention_output_gate", False)
+        and not isinstance(last.self_attn_bda, torch.nn.Module)
+    )
+
+
+def _install_attention(chunk) -> None:
+    """The last layer's core attention at the rows (attention.attention_at_rows), its output
+    projection on [n, 1, h], and the residual picked to match in its bias-dropout-add."""
+    last = chunk.decoder.layers[-1]
+    core = last.self_attention.core_attention
+    forward_attention, bda = last._forward_attention, last.self_attn_bda
+
+    def picked_attention(hidden_states, *args, **kwargs):
+        pick = chunk._ftcore_pick
+        if pick is None or pick["done"]:
+            return forward_attention(hidden_states, *args, **kwargs)
+        core.query_rows, core.rows_done = pick["rows"], False
+        try:
+            out = forward_attention(hidden_states, *args, **kwargs)
+        finally:
+            core.query_rows = None
+        pick["done"] = core.rows_done  # else (too many scores) the MLP picks
+        return out
+
+    def picked_bda(training, fused):
+        add = bda(training, fused)
+
+        def add_at_rows(x_with_bias, residual, prob):
+            if core.query_rows is not None and core.rows_done:
+                residual = _pick(residual, core.query_rows)
+            return add(x_with_bias, residual, prob)
+
+        return add_at_rows
+
+    last._forward_attention, last.self_attn_bda = picked_attention, picked_bda
+
+
 def install(chunk) -> None:
-    """Hooks that read the rows `only_at` sets: the last layer's MLP (and what follows: residual,
-    final norm, output layer) runs at [n, 1, h] where it can; otherwise the output layer's input
-    is picked. Attention still sees every position, as the keys and values need them."""
+    """Hooks that read the rows `only_at` sets: the last layer from its attention's queries on (or
+    from its MLP on) runs at [n, 1, h] where it can; otherwise the output layer's input is picked."""
     chunk._ftcore_pick = None
 
     def output_layer_hook(module, args, kwargs):
@@ -94,6 +142,8 @@ def install(chunk) -> None:
         return forward_mlp(hidden_states, *args, **kwargs)
 
     last._forward_mlp = picked_mlp
+    if _attention_can_pick(chunk):
+        _install_attention(chunk)
 
 
 @contextmanager

@@ -109,7 +109,10 @@ def test_sdpa_matches_megatrons_attention_padded_and_packed(state, monkeypatch):
     )
     fast = [_loss_and_grads(state, mbs) for mbs in (padded, packed)]
     assert used, "the model's core attention is SdpaAttention"
-    assert len(per_doc) == len(used) // 2, "packed rows (half the calls) attend per document"
+    # packed rows (half the calls) attend per document, but in the last layer only the target
+    # rows query (attention_at_rows; the megatron path below computes them all)
+    layers = len(state.model[-1].module.decoder.layers)
+    assert len(per_doc) == len(used) // 2 * (layers - 1) // layers
     monkeypatch.setattr(SdpaAttention, "_megatron_only", lambda self: True)
     slow = [_loss_and_grads(state, mbs) for mbs in (padded, packed)]
     for a, b in zip(fast, slow):
@@ -193,8 +196,8 @@ def test_fused_adam_takes_the_same_step():
 
 
 def test_logits_at_targets_only_match_every_position(state, monkeypatch):
-    """models/target_logits.py: the last layer's MLP and the output layer at the target positions
-    only (the shapes prove it ran) give the loss and gradients of computing every position."""
+    """models/target_logits.py: the last layer's attention output projection, MLP and the output
+    layer at the target positions only (the shapes prove it ran) give the loss and gradients of computing every position."""
     from ftcore.models import target_logits
 
     chunk = state.model[-1].module
@@ -206,16 +209,20 @@ def test_logits_at_targets_only_match_every_position(state, monkeypatch):
         chunk.output_layer.register_forward_hook(
             lambda m, a, o: seen.__setitem__("logits", o[0].shape[:2])
         ),
+        chunk.decoder.layers[-1].self_attention.linear_proj.register_forward_hook(
+            lambda m, a, o: seen.__setitem__("attn_proj", a[0].shape[:2])
+        ),
     ]
     packed = _packed(state.loader.docs.docs)
     padded = state.loader.next_microbatches()
     targets = int(padded[0].loss_mask.sum())
     assert 0 < targets < padded[0].loss_mask.numel()
     fast = [_loss_and_grads(state, mbs) for mbs in (padded, packed)]
-    assert seen == {"mlp": (int(packed[1].loss_mask.sum()), 1), "logits": seen["mlp"]}
+    n = (int(packed[1].loss_mask.sum()), 1)
+    assert seen == {"mlp": n, "logits": n, "attn_proj": n}
     monkeypatch.setattr(target_logits, "applies", lambda chunk: False)
     slow = [_loss_and_grads(state, mbs) for mbs in (padded, packed)]
-    assert seen["mlp"] == packed[1].tokens.shape[::-1]  # every position: [s, b]
+    assert seen["mlp"] == seen["attn_proj"] == packed[1].tokens.shape[::-1]  # every position
     for h in hooks:
         h.remove()
     for a, b in zip(fast, slow):

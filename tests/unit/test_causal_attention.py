@@ -64,3 +64,39 @@ def _check_per_document(seg):
             ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=0.5,
                                                  enable_gqa=True)  # fmt: skip
             torch.testing.assert_close(out[start:end, r], ref[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("heads, groups, one_mask", [(4, 2, False), (4, 4, False), (6, 1, True)])
+def test_attention_at_rows_is_sdpa_at_those_rows(heads, groups, one_mask):
+    """The last layer's queries at the target rows only (models/target_logits.py): the same
+    outputs, and the same gradients into Q, K and V, as SDPA over every row with the mask, picked
+    at those rows; packed documents and padding in one batch of three sequences, or one causal
+    mask for every sequence."""
+    from ftcore.data.packing import attention_mask_from_segments
+    from ftcore.models.attention import attention_at_rows
+
+    seg = torch.tensor([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12, [1] * 2 + [2] * 7 + [0] * 3])
+    b, s = seg.shape
+    if one_mask:
+        seg = torch.ones_like(seg)
+    mask = attention_mask_from_segments(seg)  # [b, 1, s, s], True = masked out
+    if one_mask:
+        mask = mask[:1]  # [1, 1, s, s], broadcast over the sequences
+    rows = torch.tensor([0, 4, 7, 13, 20, 25, 34])  # flattened [s, b]: position * b + sequence
+    torch.manual_seed(2)
+    q = torch.randn(s, b, heads, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(s, b, groups, 8, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    ref = F.scaled_dot_product_attention(
+        *(t.permute(1, 2, 0, 3) for t in (q, k, v)), attn_mask=~mask, scale=0.4, enable_gqa=True
+    )  # [b, heads, s, d]
+    ref = ref.permute(2, 0, 1, 3).reshape(s * b, heads * 8).index_select(0, rows)
+    out = attention_at_rows(q, k, v, mask, rows, 0.4)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(ref)
+    for a, r in zip(
+        torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)
+    ):
+        torch.testing.assert_close(a, r)
+    half = attention_at_rows(*(t.detach().bfloat16() for t in (q, k, v)), mask, rows, 0.4)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.double(), ref.detach(), rtol=2e-2, atol=2e-2)
