@@ -51,6 +51,7 @@ class Shape:
     recompute: str
     targets_frac: float = 1.0  # positions the last stage computes logits at (target_logits.py)
     mlp_picks: bool = False  # the last layer's MLP runs at those positions only
+    attn_picks: bool = False  # and its attention's queries and output projection (local spec)
 
     @property
     def target_tokens(self) -> int:
@@ -72,6 +73,7 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
     te = cfg.cluster.device != "cpu"
     quant = bool(pr.fp8_recipe or pr.fp4_recipe)
     picks = p.cp == 1  # models/target_logits.py: applies(); the last MLP not under SP
+    mlp_picks = picks and not p.sp and p.recompute != "full" and not quant
     return Shape(
         s=cfg.data.seq_len,
         sl=cfg.data.seq_len // p.cp,
@@ -95,7 +97,8 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
         r=cfg.peft.r,
         recompute=p.recompute,
         targets_frac=min(1.0, float(cfg.plan.target_fraction)) if picks else 1.0,
-        mlp_picks=picks and not p.sp and p.recompute != "full" and not quant,
+        mlp_picks=mlp_picks,
+        attn_picks=mlp_picks and not te and p.recompute == "none",
     )
 
 
@@ -120,8 +123,7 @@ def layer_parts(sh: Shape) -> dict[str, int]:
         # output) as they are, its output, the fp32 logsumexp and the mask as an additive
         # [b, 1, s, s] tensor in the activation dtype.
         qkv_saved = T * (sh.q + sh.kv) // t * ab + T * (sh.q + 2 * sh.kv) // t * ab
-        sdpa = T * sh.q // t * ab + sh.b * (sh.a // t) * sh.sl * 4 + sh.b * sh.sl * sh.s * ab
-        parts["core_attn"] = qkv_saved + (0 if sh.recompute == "selective" else sdpa)
+        parts["core_attn"] = qkv_saved + (0 if sh.recompute == "selective" else _sdpa(sh))
         parts["proj"] = T * sh.q // t * ab if _keeps_input(sh, "linear_proj") else 0
         parts["mlp_norm"] = norm
         parts["fc1"] = T * hs * ab if _keeps_input(sh, "linear_fc1") else 0
@@ -153,6 +155,15 @@ def layer_parts(sh: Shape) -> dict[str, int]:
     return parts
 
 
+def _sdpa(sh: Shape) -> int:
+    """The local spec's SDPA: its output, the fp32 logsumexp, the additive mask."""
+    return (
+        sh.tokens * sh.q // sh.tp * sh.ab
+        + sh.b * (sh.a // sh.tp) * sh.sl * 4
+        + sh.b * sh.sl * sh.s * sh.ab
+    )
+
+
 def _lora_saved(sh: Shape, module: str, n_a: int) -> int:
     if module in ("linear_qkv", "linear_fc1"):
         return sh.tokens * sh.r * n_a
@@ -163,14 +174,19 @@ MLP_PARTS = ("mlp_norm", "fc1", "swiglu", "fc2")
 MLP_LINEARS = ("linear_fc1", "linear_fc2")
 
 
-def last_mlp_saving(sh: Shape) -> int:
-    """Bytes the last layer's MLP does not save when it runs at the target positions only."""
+def last_layer_saving(sh: Shape) -> int:
+    """Bytes the last layer does not save when it runs at the target positions only: its MLP and,
+    where its attention picks too, the rotated queries, SDPA's output, logsumexp and mask rows and
+    the output projection's input (keys and values stay at every position)."""
     if not sh.mlp_picks:  # never under full recompute
         return 0
     parts = layer_parts(sh)
-    mlp = sum(parts[k] for k in MLP_PARTS)
-    mlp += sum(_lora_saved(sh, k, n) for k, n in sh.lora_a if k in MLP_LINEARS) * sh.ab
-    return round(mlp * (1 - sh.target_tokens / sh.tokens))
+    picked = sum(parts[k] for k in MLP_PARTS)
+    linears = MLP_LINEARS + (("linear_proj",) if sh.attn_picks else ())
+    picked += sum(_lora_saved(sh, k, n) for k, n in sh.lora_a if k in linears) * sh.ab
+    if sh.attn_picks:
+        picked += sh.tokens * sh.q // sh.tp * sh.ab + _sdpa(sh) + parts["proj"]
+    return round(picked * (1 - sh.target_tokens / sh.tokens))
 
 
 def layer_bytes(sh: Shape) -> int:

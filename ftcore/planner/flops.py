@@ -6,8 +6,9 @@ N' = parameters without the input embedding (the LM head counts);
   (forward QK^T and AV over seq_len/2 keys on average, backward twice that);
 - LoRA: 4N' (forward and input gradients of the frozen base; adapters and attention not counted).
 Executed work is what the time model needs: GEMMs by precision, attention (flash backward
-recomputes QK^T: 2.5x its forward), recompute, the LM head and the last layer's MLP at the target
-positions (plan.target_fraction); it differs from model FLOPs.
+recomputes QK^T: 2.5x its forward), recompute, the LM head and the last layer's MLP (and on CPU
+its attention's queries and output projection) at the target positions (plan.target_fraction); it
+differs from model FLOPs.
 """
 
 from __future__ import annotations
@@ -86,13 +87,17 @@ def micro_batch_work(cfg: DictConfig, pp_rank: int) -> Work:
         fwd *= 2  # the local spec computes the full s x s scores, masked
     w.attention = fwd * (1 + FLASH_BWD + (1 if p.recompute != "none" else 0)) * w.layers
     if pp_rank == p.pp - 1:
-        # logits and the last layer's MLP at the target positions only (models/target_logits.py)
+        # logits and the last layer's MLP (and attention's queries on, where it picks) at the
+        # target positions only (models/target_logits.py)
         sh = shape_of(cfg)
         head = 2.0 * sh.target_tokens * padded_vocab(m.vocab_size, tp) // tp * m.hidden_size
         w.gemm_base += head * (3 if full else 2)
         if sh.mlp_picks and split[pp_rank][-1] > 0:
             skipped = 1 - sh.target_tokens / sh.tokens
-            mlp = sum(o * i for k, (o, i) in shapes.items() if k in MLP_LINEARS)
-            mlp_ad = sum(adapters_of.get(k, 0) for k in MLP_LINEARS)
-            w.gemm_base -= skipped * 2.0 * tokens * (mlp * passes + mlp_ad * (3 + recompute_fwd))
+            picked = MLP_LINEARS + (("linear_proj",) if sh.attn_picks else ())
+            lin_picked = sum(o * i for k, (o, i) in shapes.items() if k in picked)
+            ad = sum(adapters_of.get(k, 0) for k in picked)
+            w.gemm_base -= skipped * 2.0 * tokens * (lin_picked * passes + ad * (3 + recompute_fwd))
+            if sh.attn_picks:
+                w.attention -= skipped * fwd * (1 + FLASH_BWD)
     return w

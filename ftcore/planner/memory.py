@@ -186,7 +186,7 @@ def stage_memory(
     last = pp_rank == p.pp - 1
     split = split_layers(cfg.model.num_layers, p.pp, p.vp)
     holds_last_layer = last and split[pp_rank][-1] > 0
-    saved = layer * layer_mb - (act.last_mlp_saving(sh) if holds_last_layer else 0)
+    saved = layer * layer_mb - (act.last_layer_saving(sh) if holds_last_layer else 0)
     loss = sum(act.loss_bytes(sh).values()) if last else 0
     # The schedule keeps each in-flight micro-batch's stage input; the first layer saves that same
     # tensor (TE's norm, the recompute checkpoint, fp32 norms) except ftcore's RMSNorm on a bf16
