@@ -71,6 +71,12 @@ def _header(lines: list[dict]) -> list[str]:
         f"`{first['command']}` at commit {first.get('commit')}, {first['time']}",
         f"on {where}{load_txt}.",
     ]
+    if m.get("probe"):
+        r = m["probe"]
+        head.append(
+            f"One thread: fp32 matmul {r['fp32'] * 1e3:.0f} GFLOP/s, bf16 {r['bf16'] * 1e3:.0f} "
+            f"GFLOP/s, add {r['gbps']:.1f} GB/s (the planner's local_cpu rates, host_probe)."
+        )
     if m.get("packages"):
         head.append("Packages: " + ", ".join(f"{k} {v}" for k, v in m["packages"].items()) + ".")
     return [*head, ""]

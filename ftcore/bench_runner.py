@@ -101,7 +101,7 @@ def output_dir(bench: DictConfig) -> Path:
 
 
 def machine() -> dict:
-    """Where it ran: host, CPU, cores, GPU (if any), load average."""
+    """Where it ran: host, CPU, cores, GPU (if any) or one CPU thread's rates, packages."""
     cpu = platform.processor()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -117,6 +117,10 @@ def machine() -> dict:
 
         if torch.cuda.is_available():
             info["gpu"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+        else:  # the rates the planner's local_cpu prediction uses (host_probe)
+            from ftcore.planner.host import probe
+
+            info["probe"] = probe()
         info["torch"] = torch.__version__
     except Exception:  # noqa: BLE001 - informational only
         pass

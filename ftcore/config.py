@@ -220,6 +220,7 @@ class ClusterConfig:
     step_overhead_s: float = 0.0  # fixed per-step cost (launch, Python)
     layer_overhead_s: float = 0.0  # fixed cost per layer and micro-batch (Python, autograd)
     sp_layer_overhead_s: float = 0.0  # what sequence parallelism adds to it (host cost)
+    host_probe: bool = False  # CPU only: measure peak_tflops and hbm_gbps here (planner/host.py)
 
 
 @dataclass

@@ -9,7 +9,9 @@ and a step is (micro-batches + (pp - 1) / vp) of the slowest rank's micro-batch 
 interleaved pipeline bubble), plus the exposed pipeline sends, the data-parallel gradient
 reduce-scatter / parameter all-gather, the optimizer's pass over its shard, and a fixed overhead.
 The constants are per GPU type; the fractions below are the same for every GPU. Calibrated once
-against shared/anchors/published_throughput.csv (tests/unit/test_planner_throughput.py).
+against shared/anchors/published_throughput.csv (tests/unit/test_planner_throughput.py). A CPU
+cluster with host_probe measures its peak and bandwidth on the host instead (host.py); MFU stays
+against the configured peak.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from ftcore.planner import activations as act
+from ftcore.planner import host
 from ftcore.planner.flops import micro_batch_work, model_flops_per_token
 from ftcore.planner.memory import GRAD_REDUCE_IN_FP32, model_state
 from ftcore.planner.view import view
@@ -121,6 +124,7 @@ def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
 
 
 def step_time(cfg: DictConfig, world: int) -> StepTime:
+    cfg = host.measured(cfg)  # a CPU host's own matmul rate and bandwidth, where it asks
     c, p, tr = cfg.cluster, cfg.parallel, cfg.train
     dp = max(world // (p.tp * p.pp * p.cp), 1)
     m = max(tr.global_batch_size // (tr.micro_batch_size * dp), 1)

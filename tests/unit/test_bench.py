@@ -125,6 +125,8 @@ def test_tiny_layout_bench_end_to_end(tmp_path):
     assert packages["torch"] == torch.__version__
     assert packages["transformers"] == transformers.__version__
     assert f"transformers {transformers.__version__}" in md
+    # the host's one-thread rates that the local_cpu prediction used
+    assert line["machine"]["probe"]["fp32"] > 0 and "One thread: fp32 matmul" in md
 
 
 def test_cpu_vs_hf_end_to_end(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ftcore.config import compose
-from ftcore.planner import flops
+from ftcore.planner import flops, host
 from ftcore.planner.throughput import throughput
 
 ANCHORS = Path(__file__).resolve().parents[3] / "shared" / "anchors" / "published_throughput.csv"
@@ -107,3 +107,54 @@ def test_sequence_parallel_adds_its_host_cost_per_layer_and_microbatch():
     with_sp = time(True, 0.01).compute_s - time(True, 0.0).compute_s
     assert with_sp == pytest.approx(layers * microbatches * 0.01, rel=1e-6)
     assert time(False, 0.01).compute_s == time(False, 0.0).compute_s
+
+
+def test_cpu_host_probe_replaces_the_configured_rates():
+    """local_cpu plans with this host's measured matmul rates and bandwidth: the same step time as
+    the yaml given those rates by hand; the yaml's own numbers where host_probe is off."""
+    import torch
+
+    threads = torch.get_num_threads()
+    rates = host.probe()
+    assert torch.get_num_threads() == threads  # the probe runs one thread, then restores
+    base = ["+exp=tiny_full", "train.global_batch_size=16", "train.micro_batch_size=4"]
+    by_hand = [
+        "cluster.host_probe=false",
+        f"cluster.peak_tflops={{fp32: {rates['fp32']!r}, bf16: {rates['bf16']!r}}}",
+        f"cluster.hbm_gbps={rates['gbps']!r}",
+    ]
+    probed = throughput(compose(base), 2)
+    assert probed["step_time_s"] == pytest.approx(
+        throughput(compose([*base, *by_hand]), 2)["step_time_s"], rel=1e-12
+    )
+    yaml = throughput(compose([*base, "cluster.host_probe=false"]), 2)
+    assert yaml["step_time_s"] != pytest.approx(probed["step_time_s"], rel=1e-6)
+    assert yaml["mfu"] == pytest.approx(probed["mfu"] * probed["step_time_s"] / yaml["step_time_s"])
+    # a GPU cluster's datasheet peak is never replaced
+    gpu = ["+exp=70b_fp8", "cluster.host_probe=true"]
+    assert (
+        throughput(compose(gpu), 8)["step_time_s"]
+        == (throughput(compose(["+exp=70b_fp8"]), 8)["step_time_s"])
+    )
+
+
+def test_cpu_host_probe_agrees_with_a_plain_timing():
+    """The probe's fp32 rate against torch.mm timed here (same size, one thread), within 2x: the
+    VM is shared, so only a unit or method error would fail it."""
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        a @ b
+        t = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        rate = 5 * 2 * 1024**3 / (time.perf_counter() - t) / 1e12
+    finally:
+        torch.set_num_threads(threads)
+    assert 0.5 < host.probe()["fp32"] / rate < 2.0
+    assert 1.0 < host.probe()["gbps"] < 1000.0

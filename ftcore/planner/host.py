@@ -1,0 +1,74 @@
+"""This machine's own rates, for CPU clusters that ask for them (`cluster.host_probe: true`).
+
+A GPU type's peak is a datasheet number; a CPU host's is not: the VMs ftcore's CPU runs land on
+differ by 1.9x in one thread's fp32 matmul rate (86 and 163 GFLOP/s measured) at the same memory
+bandwidth, and a host with AMX runs bf16 matmuls 8x faster than fp32 where another has no bf16
+units at all.
+local_cpu's fitted constants (matmul_efficiency, per-layer host cost, link rate) are fractions of
+and additions to these two rates, so measuring the rates where the planner runs keeps its step
+time honest on any host. The probe is what the yaml's nominal numbers were read with: one thread,
+a 1024^3 matmul in fp32 and in bf16 and torch.add over 64 MiB fp32 tensors, the median of seven
+runs each. It takes ~0.4 s, once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+from ftcore.planner.view import replace, view
+
+MATMUL_N = 1024
+ADD_ELEMS = 16 * 1024 * 1024  # 64 MiB of fp32
+TRIES = 7
+
+
+def _median_s(fn, tries: int = TRIES) -> float:
+    fn()  # warm caches and the allocator
+    times = []
+    for _ in range(tries):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _matmul_tflops(dtype) -> float:
+    import torch
+
+    a, b = (
+        torch.randn(MATMUL_N, MATMUL_N, dtype=dtype),
+        torch.randn(MATMUL_N, MATMUL_N, dtype=dtype),
+    )
+    out = torch.empty(MATMUL_N, MATMUL_N, dtype=dtype)
+    return 2 * MATMUL_N**3 / _median_s(lambda: torch.mm(a, b, out=out)) / 1e12
+
+
+@functools.cache
+def probe() -> dict[str, float]:
+    """One thread's dense matmul rates in TFLOP/s ("fp32", "bf16") and add bandwidth ("gbps")."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rates = {"fp32": _matmul_tflops(torch.float32), "bf16": _matmul_tflops(torch.bfloat16)}
+        x, y = torch.randn(ADD_ELEMS), torch.randn(ADD_ELEMS)
+        z = torch.empty(ADD_ELEMS)
+        rates["gbps"] = 3 * ADD_ELEMS * 4 / _median_s(lambda: torch.add(x, y, out=z)) / 1e9
+    finally:
+        torch.set_num_threads(threads)
+    return rates
+
+
+def measured(cfg):
+    """The config with the cluster's peaks and bandwidth replaced by this host's, where it asks;
+    otherwise the config as it is."""
+    cfg = view(cfg)
+    c = cfg.cluster
+    if not getattr(c, "host_probe", False) or c.device != "cpu":
+        return cfg
+    rates = probe()
+    peaks = {"fp32": rates["fp32"], "bf16": rates["bf16"]}
+    return replace(cfg, cluster={"peak_tflops": peaks, "hbm_gbps": rates["gbps"]})
