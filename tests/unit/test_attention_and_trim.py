@@ -196,8 +196,9 @@ def test_fused_adam_takes_the_same_step():
 
 
 def test_logits_at_targets_only_match_every_position(state, monkeypatch):
-    """models/target_logits.py: the last layer's attention output projection, MLP and the output
-    layer at the target positions only (the shapes prove it ran) give the loss and gradients of computing every position."""
+    """models/target_logits.py: the last layer's attention output projection, its MLP and the
+    output layer at the target positions only (the shapes prove it ran) give the loss and
+    gradients of computing every position."""
     from ftcore.models import target_logits
 
     chunk = state.model[-1].module

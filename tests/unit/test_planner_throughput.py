@@ -139,22 +139,29 @@ def test_cpu_host_probe_replaces_the_configured_rates():
 
 
 def test_cpu_host_probe_agrees_with_a_plain_timing():
-    """The probe's fp32 rate against torch.mm timed here (same size, one thread), within 2x: the
-    VM is shared, so only a unit or method error would fail it."""
+    """The probe's fp32 matmul rate and add bandwidth against torch.mm and torch.add timed here
+    (same sizes, one thread, bytes read and written), within 2x: the VM is shared, so only a unit
+    or method error (a FLOP or byte count off by 2x or more, seconds for milliseconds) fails it."""
     import time
 
     import torch
+
+    def seconds(fn, n=5):
+        fn()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t) / n
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-        a @ b
-        t = time.perf_counter()
-        for _ in range(5):
-            a @ b
-        rate = 5 * 2 * 1024**3 / (time.perf_counter() - t) / 1e12
+        flops = 2 * 1024**3 / seconds(lambda: a @ b) / 1e12
+        x, y = torch.randn(16 * 2**20), torch.randn(16 * 2**20)
+        z = torch.empty_like(x)
+        gbps = 3 * x.nbytes / seconds(lambda: torch.add(x, y, out=z)) / 1e9
     finally:
         torch.set_num_threads(threads)
-    assert 0.5 < host.probe()["fp32"] / rate < 2.0
-    assert 1.0 < host.probe()["gbps"] < 1000.0
+    assert 0.5 < host.probe()["fp32"] / flops < 2.0
+    assert 0.5 < host.probe()["gbps"] / gbps < 2.0
