@@ -74,6 +74,7 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
     quant = bool(pr.fp8_recipe or pr.fp4_recipe)
     picks = p.cp == 1  # models/target_logits.py: applies(); the last MLP not under SP
     mlp_picks = picks and not p.sp and p.recompute != "full" and not quant
+    targets_frac = min(1.0, float(cfg.plan.target_fraction)) if picks else 1.0
     return Shape(
         s=cfg.data.seq_len,
         sl=cfg.data.seq_len // p.cp,
@@ -96,9 +97,10 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
         lora_a=tuple((k, len(set(v.values()))) for k, v in lora_plan(cfg).items()),
         r=cfg.peft.r,
         recompute=p.recompute,
-        targets_frac=min(1.0, float(cfg.plan.target_fraction)) if picks else 1.0,
+        targets_frac=targets_frac,
         mlp_picks=mlp_picks,
-        attn_picks=mlp_picks and not te and p.recompute == "none",
+        # SdpaAttention serves the rows only when they are at most half the slots (attention.py)
+        attn_picks=mlp_picks and not te and p.recompute == "none" and 2 * targets_frac <= 1.0,
     )
 
 

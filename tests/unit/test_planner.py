@@ -190,3 +190,19 @@ def test_train_refuses_a_job_predicted_not_to_fit(tmp_path):
     )  # fmt: skip
     assert r.returncode == 2, r.stderr[-2000:]
     assert "predicted out of memory: pipeline stage 0" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_last_layer_attention_picks_only_where_the_runtime_does():
+    """SdpaAttention attends only the target rows when they are at most half the slots
+    (models/attention.py), else every row while the MLP still picks: the planner follows, so a
+    0.6 target fraction saves the MLP's bytes only and 0.3 the attention's too."""
+    from ftcore.planner import activations as act
+
+    def shape(frac: float):
+        return act.shape_of(compose(["+exp=tiny_lora", f"plan.target_fraction={frac}"]))
+
+    many, few = shape(0.6), shape(0.3)
+    assert many.mlp_picks and not many.attn_picks
+    assert few.mlp_picks and few.attn_picks
+    mlp_only = act.last_layer_saving(act.Shape(**{**vars(few), "attn_picks": False}))
+    assert act.last_layer_saving(few) > mlp_only > 0
