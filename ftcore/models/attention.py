@@ -26,17 +26,18 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from ftcore.models.gather import RowGather, gather
+
 
 @dataclass
 class HeadIndex:
-    """Row indices for one head layout, into tensors flattened to [tokens * heads, d] rows."""
+    """Row gathers for one head layout, over tensors flattened to [tokens * heads, d] rows."""
 
-    q: torch.Tensor  # every bucket's [n * heads * width] query rows, as [n, groups, r * width]
-    kv: torch.Tensor  # every bucket's [n * groups * width] key/value rows
+    q: RowGather  # every bucket's [n * heads * width] query rows, as [n, groups, r * width]
+    kv: RowGather  # every bucket's [n * groups * width] key/value rows, then the one-token docs'
     q_sizes: list[int]  # rows per bucket
-    kv_sizes: list[int]
-    singles: torch.Tensor  # [len(singles) * heads] value rows (their head's group)
-    out: torch.Tensor  # [s * b * heads]: rows of cat(bucket outputs, singles) in megatron's order
+    kv_sizes: list[int]  # rows per bucket, then the one-token documents' [singles * groups]
+    out: RowGather  # [s * b * heads]: rows of cat(bucket outputs, singles) in megatron's order
 
 
 @dataclass
@@ -45,13 +46,15 @@ class Documents:
 
     buckets: list[torch.Tensor]  # per width: positions [n, width], short documents padded
     kept: list[torch.Tensor]  # per bucket: flat indices into [n * width] of the real tokens
+    spare: list[torch.Tensor]  # per bucket: flat indices into [n * width] of its padding
     singles: torch.Tensor  # positions of one-token documents and of padding
     order: torch.Tensor  # inverse permutation: bucket outputs, then singles -> [s * b]
     by_heads: dict = field(default_factory=dict)  # (heads, groups) -> HeadIndex, built once
 
     def to(self, device) -> Documents:
         return Documents(*([t.to(device) for t in x] if isinstance(x, list) else x.to(device)
-                           for x in (self.buckets, self.kept, self.singles, self.order)))  # fmt: skip
+                           for x in (self.buckets, self.kept, self.spare, self.singles,
+                                     self.order)))  # fmt: skip
 
     def heads(self, heads: int, groups: int) -> HeadIndex:
         """Per-head row indices, so each bucket's Q, K and V arrive in attention's layout in one
@@ -62,23 +65,40 @@ class Documents:
 
 
 def _head_index(docs: Documents, heads: int, groups: int) -> HeadIndex:
+    """Each gather's backward gathers the gradient from a token's real slot (models/gather.py): a
+    padded document's extra slots repeat its first token, and causal attention gives them zero
+    gradient (their outputs are never read, and no real query attends them)."""
     dev = docs.order.device
     h = torch.arange(heads, device=dev)
     g = torch.arange(groups, device=dev)
-    q, kv, slots, offset = [], [], [], 0
-    for pos, kept in zip(docs.buckets, docs.kept):
+    q, kv, q_slot, kv_slot, spare, q_off, kv_off = [], [], [], [], [], 0, 0
+    for pos, kept, pad in zip(docs.buckets, docs.kept, docs.spare):
         n, width = pos.shape
-        q.append((pos[:, None, :] * heads + h[None, :, None]).reshape(-1))
+        q.append((pos[:, None, :] * heads + h[None, :, None]).reshape(-1))  # [n, heads, width]
         kv.append((pos[:, None, :] * groups + g[None, :, None]).reshape(-1))
-        doc, j = kept // width, kept % width  # output row of (doc, head, j): [n, heads, width]
-        slots.append(offset + (doc * heads)[:, None] * width + j[:, None] + h[None, :] * width)
-        offset += n * heads * width
-    singles = (docs.singles[:, None] * groups + (h // (heads // groups))[None, :]).reshape(-1)
-    slots.append(offset + torch.arange(docs.singles.numel() * heads, device=dev).view(-1, heads))
-    out = torch.cat(slots)[docs.order].reshape(-1)  # [s * b, heads] -> flat
-    sizes = [[t.numel() for t in x] for x in (q, kv)]
+        doc, j = kept // width, kept % width  # the real tokens' slots: [tokens, heads or groups]
+        q_slot.append(q_off + (doc * heads * width + j)[:, None] + h[None, :] * width)
+        kv_slot.append(kv_off + (doc * groups * width + j)[:, None] + g[None, :] * width)
+        doc, j = pad // width, pad % width
+        spare.append((q_off + (doc * heads * width + j)[:, None] + h[None, :] * width).view(-1))
+        q_off, kv_off = q_off + n * heads * width, kv_off + n * groups * width
+    ones = docs.singles[:, None]  # one-token documents: no query, their value per group
+    kv.append((ones * groups + g[None, :]).reshape(-1))
+    kv_slot.append(kv_off + torch.arange(kv[-1].numel(), device=dev).view(-1, groups))
+    q_slot.append(q_off + torch.arange(ones.numel() * heads, device=dev).view(-1, heads))
+    out = torch.cat(q_slot)[docs.order].reshape(-1)  # per [s * b, heads] row: its output slot
     none = torch.empty(0, dtype=torch.long, device=dev)  # every document is one token long
-    return HeadIndex(torch.cat([none, *q]), torch.cat([none, *kv]), *sizes, singles, out)
+    q_index, kv_index = torch.cat([none, *q]), torch.cat(kv)
+    singles_q = (ones * heads + h[None, :]).reshape(-1)
+    return HeadIndex(
+        # a query row's gradient sits where its output does; one-token documents' are zero
+        RowGather(q_index, out.clamp(max=max(q_off - 1, 0)), singles_q),
+        RowGather(kv_index, torch.cat(kv_slot)[docs.order].reshape(-1), none),
+        [t.numel() for t in q],
+        [t.numel() for t in kv],
+        # an output slot's gradient: its row of megatron's order, zero for padding
+        RowGather(out, torch.cat([q_index, singles_q]), torch.cat([none, *spare])),
+    )
 
 
 def bucket_width(length: int, min_width: int) -> int:
@@ -104,7 +124,7 @@ def documents(segment_ids: torch.Tensor, min_width: int = 16) -> Documents:
     is_single = lengths == 1
     width_of = {n: bucket_width(n, min_width) for n in set(lengths.tolist())}
     widths = torch.tensor([width_of[n] for n in lengths.tolist()])
-    buckets, kept, dst = [], [], []
+    buckets, kept, spare, dst = [], [], [], []
     for width in sorted({width_of[n] for n in lengths[~is_single].tolist()}):
         pick = (widths == width) & ~is_single
         n, r0, p0 = lengths[pick], row[pick], start[pick]
@@ -114,12 +134,13 @@ def documents(segment_ids: torch.Tensor, min_width: int = 16) -> Documents:
         flat = pos * b + r0[:, None]
         buckets.append(flat)
         kept.append(real.view(-1).nonzero().squeeze(1))
+        spare.append((~real).view(-1).nonzero().squeeze(1))
         dst.append(flat[real])
     singles = start[is_single] * b + row[is_single]
     dst = torch.cat([*dst, singles])
     order = torch.empty_like(dst)
     order[dst] = torch.arange(dst.numel())
-    return Documents(buckets, kept, singles, order)
+    return Documents(buckets, kept, spare, singles, order)
 
 
 def with_documents(mask: torch.Tensor, docs: Documents) -> torch.Tensor:
@@ -234,8 +255,8 @@ class SdpaAttention(DotProductAttention):
         index = docs.heads(heads, groups)
         q, k, v = (t.reshape(-1, d) for t in (query, key, value))  # [s * b * heads, d] rows
         exact = q.dtype in (torch.float32, torch.float64)  # flash accumulates bf16 in fp32
-        qs = q.index_select(0, index.q).split(index.q_sizes)  # one gather for every bucket
-        ks, vs = (t.index_select(0, index.kv).split(index.kv_sizes) for t in (k, v))
+        qs = gather(q, index.q).split(index.q_sizes)  # one gather for every bucket
+        ks, (*vs, v1) = (gather(t, index.kv).split(index.kv_sizes) for t in (k, v))
         outs = []
         for pos, qd, kd, vd in zip(docs.buckets, qs, ks, vs):
             n, width = pos.shape
@@ -249,5 +270,6 @@ class SdpaAttention(DotProductAttention):
                     qd, kd, vd, is_causal=True, scale=self.softmax_scale, enable_gqa=True
                 )
             outs.append(ctx.reshape(-1, d))
-        outs.append(v.index_select(0, index.singles))  # softmax over one key: its value
-        return torch.cat(outs).index_select(0, index.out).view(-1, heads, d)
+        # softmax over one key: its value, the group's for each of its query heads
+        outs.append(v1.view(-1, groups, 1, d).expand(-1, groups, heads // groups, d).reshape(-1, d))
+        return gather(torch.cat(outs), index.out).view(-1, heads, d)

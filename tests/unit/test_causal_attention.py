@@ -42,16 +42,19 @@ def test_per_document_attention_is_sdpa_per_document(matmul_width, monkeypatch):
 
 
 def _check_per_document(seg):
+    """Values and the gradients into Q, K and V (whose backward gathers from each token's real
+    slot, models/gather.py) against SDPA run document by document."""
     from ftcore.models.attention import SdpaAttention
 
     b, s = seg.shape
     heads, groups, d = 4, 2, 8
     torch.manual_seed(1)
-    q = torch.randn(s, b, heads, d, dtype=torch.float64)
-    k, v = (torch.randn(s, b, groups, d, dtype=torch.float64) for _ in "kv")
+    q = torch.randn(s, b, heads, d, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(s, b, groups, d, dtype=torch.float64, requires_grad=True) for _ in "kv")
     attn = SdpaAttention.__new__(SdpaAttention)  # the method reads only the softmax scale
     attn.softmax_scale = 0.5
     out = attn._per_document(q, k, v, documents(seg, min_width=4)).view(s, b, heads, d)
+    ref = torch.zeros_like(out)
     for r in range(b):
         ids = seg[r].tolist()
         for start in range(s):
@@ -61,9 +64,17 @@ def _check_per_document(seg):
             while ids[start] and end < s and ids[end] == ids[start]:
                 end += 1
             qd, kd, vd = (t[start:end, r].transpose(0, 1)[None] for t in (q, k, v))
-            ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=0.5,
+            doc = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=0.5,
                                                  enable_gqa=True)  # fmt: skip
-            torch.testing.assert_close(out[start:end, r], ref[0].transpose(0, 1))
+            ref[start:end, r] = doc[0].transpose(0, 1)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(out)
+    grads = [
+        torch.autograd.grad(t, (q, k, v), grad, allow_unused=True, materialize_grads=True)
+        for t in (out, ref)
+    ]  # one-token documents only: the output does not read the queries
+    for got, want, name in zip(*grads, "qkv"):
+        torch.testing.assert_close(got, want, msg=lambda m, name=name: f"d{name}: {m}")
 
 
 @pytest.mark.parametrize("heads, groups, one_mask", [(4, 2, False), (4, 4, False), (6, 1, True)])
