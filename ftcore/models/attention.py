@@ -71,16 +71,21 @@ def _head_index(docs: Documents, heads: int, groups: int) -> HeadIndex:
     dev = docs.order.device
     h = torch.arange(heads, device=dev)
     g = torch.arange(groups, device=dev)
+
+    def slots(flat, width, ar, off):
+        """[len(flat), len(ar)]: where bucket position `flat` (into [n * width]) lands per head
+        in the bucket's [n, len(ar), width] layout, which starts at row `off`."""
+        doc, j = flat // width, flat % width
+        return off + (doc * ar.numel() * width + j)[:, None] + ar[None, :] * width
+
     q, kv, q_slot, kv_slot, spare, q_off, kv_off = [], [], [], [], [], 0, 0
     for pos, kept, pad in zip(docs.buckets, docs.kept, docs.spare):
         n, width = pos.shape
         q.append((pos[:, None, :] * heads + h[None, :, None]).reshape(-1))  # [n, heads, width]
         kv.append((pos[:, None, :] * groups + g[None, :, None]).reshape(-1))
-        doc, j = kept // width, kept % width  # the real tokens' slots: [tokens, heads or groups]
-        q_slot.append(q_off + (doc * heads * width + j)[:, None] + h[None, :] * width)
-        kv_slot.append(kv_off + (doc * groups * width + j)[:, None] + g[None, :] * width)
-        doc, j = pad // width, pad % width
-        spare.append((q_off + (doc * heads * width + j)[:, None] + h[None, :] * width).view(-1))
+        q_slot.append(slots(kept, width, h, q_off))  # the real tokens' slots
+        kv_slot.append(slots(kept, width, g, kv_off))
+        spare.append(slots(pad, width, h, q_off).view(-1))
         q_off, kv_off = q_off + n * heads * width, kv_off + n * groups * width
     ones = docs.singles[:, None]  # one-token documents: no query, their value per group
     kv.append((ones * groups + g[None, :]).reshape(-1))
