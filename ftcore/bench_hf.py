@@ -18,6 +18,8 @@ import resource
 import time
 from pathlib import Path
 
+from ftcore.bench_turns import Turn
+
 SPEC_ENV = "FTCORE_BENCH_SPEC"
 DEFAULT_SHAPE = {  # the tiny model's shape: a few million parameters on the bundled tokenizer
     "hidden_size": 256,
@@ -173,9 +175,14 @@ def train_hf(spec: dict) -> dict:
         disable_tqdm=True,
     )
     trainer = Trainer(model=model, args=args, train_dataset=train_rows, data_collator=collator)
+    turn = Turn.from_env()
+    if turn is not None:  # hand over to the round's other runs every few steps (bench.turns)
+        trainer.add_callback(_turn_callback(turn))
     t0, c0 = time.perf_counter(), time.process_time()
     out = trainer.train()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    waited = turn.waited_s if turn is not None else 0.0
+    wall -= waited
     loss, n = eval_loss(model, val_rows, collator, bs)
     tokens = sum(len(r["input_ids"]) for r in train_rows)
     targets = sum(sum(1 for x in r["labels"][1:] if x != -100) for r in train_rows)
@@ -193,7 +200,21 @@ def train_hf(spec: dict) -> dict:
         "threads": torch.get_num_threads(),
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
         "batch_size": bs,
+        "waited_s": waited,
     }
+
+
+def _turn_callback(turn: Turn):
+    from transformers import TrainerCallback
+
+    class TakeTurns(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            turn.start(state.max_steps)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            turn.after_step()
+
+    return TakeTurns()
 
 
 def main() -> int:

@@ -181,9 +181,15 @@ def cpu_vs_hf_md(lines: list[dict]) -> list[str]:
             f"| {_f(diff and 100 * diff, '+.1f')}{'%' if diff is not None else ''} "
             f"| {_f(ln.get('peak_mem_gib'), '.2f')} | {ln.get('threads')} | {_epoch_split(ln)} |"
         )
+    turns = max((ln.get("turns") or 0 for ln in lines), default=0)
+    order = (
+        f"each round: the HF recipe and every ftcore run side by side, taking turns in {turns} slices "
+        "of their epochs, the time each waited left out" if turns
+        else "each round: the HF recipe, then every ftcore run"
+    )  # fmt: skip
     out += [
         "",
-        "One epoch over the same documents each (each round: the HF recipe, then every ftcore run; "
+        f"One epoch over the same documents each ({order}; "
         "ratios are to the HF run of the same round); tokens/s = non-padding tokens / wall time of the "
         "epoch (HF: trainer.train(); ftcore: the training steps); tokens/CPU-s divides by the CPU "
         "seconds of the process instead (all threads; less sensitive to other load). Eval loss: per-token cross entropy "

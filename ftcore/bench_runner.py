@@ -5,9 +5,8 @@ Two kinds (bench.kind):
 - layouts: every configuration runs bench.warmup_steps + bench.measure_steps training steps
   (ftcore.bench_worker); the line holds the layout, tokens/s, step time (median, spread), model
   TFLOP/s/GPU, MFU, peak memory, the time split, and the planner's prediction beside it;
-- cpu_vs_hf: a small random HF Llama is saved once; the HF Trainer recipe (ftcore.bench_hf) and then
-  each ftcore configuration (model.hf_path = that model) train one epoch over the same documents,
-  one process each, same threads; the lines hold non-padding tokens/s, the ratio and eval losses.
+- cpu_vs_hf: the HF Trainer recipe and each ftcore configuration train one epoch over the same
+  documents (ftcore.bench_vs_hf).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from ftcore import bench_turns
 from ftcore.bench_worker import PARTS, median_spread
 from ftcore.errors import FtcoreError
 
@@ -167,28 +167,54 @@ def _child_env(extra: dict, spec_path: Path) -> dict:
     return env
 
 
-def launch(module: str, overrides: list[str], spec: dict, run_dir: Path, env: dict,
-           timeout_s: float) -> tuple[dict | None, str]:  # fmt: skip
-    """`python -m module overrides` in a fresh process; (its result JSON or None, error text)."""
+def _prepare(module: str, overrides: list[str], spec: dict, run_dir: Path,
+             env: dict) -> tuple[list[str], dict, Path, Path]:  # fmt: skip
+    """Write the worker's spec; (command, environment, log file, result file)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "out": str(run_dir / "result.json")}
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     logf = run_dir / "worker.log"
     cmd = [sys.executable, "-u", "-m", module, *overrides]
-    with open(logf, "w") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                env=_child_env(env, spec_path), timeout=timeout_s).returncode  # fmt: skip
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    out = Path(spec["out"])
+    logf.write_text("$ " + " ".join(cmd) + "\n")
+    return cmd, _child_env(env, spec_path), logf, Path(spec["out"])
+
+
+def _collect(rc, out: Path, logf: Path) -> tuple[dict | None, str]:
     if rc == 0 and out.exists():
         return json.loads(out.read_text()), ""
     tail = logf.read_text().strip().splitlines()[-6:]
     return None, f"exit {rc}: " + " | ".join(tail)
+
+
+def launch(module: str, overrides: list[str], spec: dict, run_dir: Path, env: dict,
+           timeout_s: float) -> tuple[dict | None, str]:  # fmt: skip
+    """`python -m module overrides` in a fresh process; (its result JSON or None, error text)."""
+    cmd, env, logf, out = _prepare(module, overrides, spec, run_dir, env)
+    with open(logf, "a") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                timeout=timeout_s).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    return _collect(rc, out, logf)
+
+
+def launch_taking_turns(jobs: list[tuple], slices: int, timeout_s: float) -> list[tuple]:
+    """Each job (module, overrides, spec, run_dir, env) in its own process, all alive at once and
+    computing one at a time (ftcore.bench_turns); [(result JSON or None, error text)] in order."""
+    prepared = [_prepare(*job) for job in jobs]
+    logs = [open(logf, "a") for _, _, logf, _ in prepared]
+    try:
+        starts = [
+            (lambda cmd=cmd, env=env, f=f: bench_turns.spawn(cmd, env, f, slices))
+            for (cmd, env, _, _), f in zip(prepared, logs)
+        ]
+        codes = bench_turns.take_turns(starts, timeout_s * len(jobs))
+    finally:
+        for f in logs:
+            f.close()
+    return [_collect(rc, out, logf) for rc, (_, _, logf, out) in zip(codes, prepared)]
 
 
 def predict(overrides: list[str]) -> dict | None:
@@ -341,78 +367,10 @@ def run_layouts(b: Bench) -> None:
         b.append({**line, "status": "ok", **m})
 
 
-def run_cpu_vs_hf(b: Bench) -> None:
-    """`bench.repeats` rounds of the HF recipe then each ftcore run, so that on a machine whose
-    speed drifts each ftcore run has an HF run of its own minutes to be compared with."""
-    from ftcore.bench_hf import make_hf_model
-
-    hf = OmegaConf.to_container(b.bench.hf, resolve=True) if b.bench.hf else {}
-    b.runs_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = make_hf_model(b.runs_dir / "hf_model", hf.get("shape"), int(hf.get("seed", 1234)))
-    threads = int(b.bench.threads or 1)
-    base = [*b.bench.base, *b.extra, f"model.hf_path={model_dir}"]
-    rounds = max(1, int(b.bench.repeats))
-    for k in range(rounds):
-        rdir = b.runs_dir / f"round{k + 1}" if rounds > 1 else b.runs_dir
-        spec = {"model_dir": str(model_dir), "overrides": base, "batch_size": int(hf.get("batch_size", 16)),
-                "threads": threads, "work_dir": str(rdir / "hf_trainer" / "trainer")}  # fmt: skip
-        res = _hf_round(b, spec, rdir, k + 1)
-        for run in expand_runs(b.bench):
-            _ftcore_run(b, run, base, threads, rdir, res, k + 1)
-
-
-def _hf_round(b: Bench, spec: dict, rdir: Path, round_: int) -> dict | None:
-    log.info("bench %s: round %d, the HF Trainer recipe", b.bench.name, round_)
-    load0 = load_avg()
-    res, err = launch("ftcore.bench_hf", [], spec, rdir / "hf_trainer", {}, b.timeout_s)
-    line = {"label": "hf_trainer", "side": "hf", "round": round_, "load_avg": [load0, load_avg()]}
-    if res is None:
-        b.append({**line, "status": "failed", "error": err})
-        return None
-    res["tokens_per_s"] = res["tokens"] / res["wall_s"]
-    res["tokens_per_cpu_s"] = res["tokens"] / res["cpu_s"] if res.get("cpu_s") else None
-    b.append({**line, "status": "ok", **res})
-    return res
-
-
-def _ftcore_run(b: Bench, run: Run, base: list[str], threads: int, rdir: Path, res: dict | None,
-                round_: int) -> None:  # fmt: skip
-    rdir = rdir / run.label
-    ov = [*base, *run.overrides, *FIXED, f"launcher.threads_per_rank={threads}", f"run.dir={rdir}"]
-    line = {"label": run.label, "side": "ftcore", "round": round_, "overrides": run.overrides,
-            "env": run.env}  # fmt: skip
-    load0 = load_avg()
-    log.info("bench %s: round %d, ftcore %s", b.bench.name, round_, run.label)
-    r, err = launch("ftcore.bench_worker", ov, {"epoch": True, "eval": True}, rdir, run.env,
-                    b.timeout_s)  # fmt: skip
-    line["load_avg"] = [load0, load_avg()]
-    if r is None:
-        b.append({**line, "status": "failed", "error": err})
-        return
-    tokens = sum(s["tokens"] for s in r["steps"])
-    split = {p: sum(s["parts"].get(p, 0.0) for s in r["steps"]) for p in PARTS}
-    split["other"] = max(0.0, r["wall_s"] - sum(split.values()))  # logging, metrics, timers
-    line.update(
-        status="ok", steps=len(r["steps"]), tokens=tokens,
-        target_tokens=sum(s["target_tokens"] for s in r["steps"]), wall_s=r["wall_s"],
-        tokens_per_s=tokens / r["wall_s"], eval_loss=r["eval_loss"], eval_tokens=r["eval_tokens"],
-        train_loss_last=r["steps"][-1]["loss"], peak_mem_gib=r["peak_mem_gib"],
-        threads=r.get("threads"), time_split_s=split, cpu_s=r.get("cpu_s"),
-        tokens_per_cpu_s=tokens / r["cpu_s"] if r.get("cpu_s") else None, packing_efficiency=r["data_report"]["packing_efficiency"],
-        layout=layout_of(ov),
-    )  # fmt: skip
-    if res is not None:
-        line["ratio_vs_hf"] = line["tokens_per_s"] / res["tokens_per_s"]
-        if line["tokens_per_cpu_s"] and res.get("tokens_per_cpu_s"):
-            line["ratio_vs_hf_cpu"] = line["tokens_per_cpu_s"] / res["tokens_per_cpu_s"]
-        line["eval_loss_rel_diff"] = (r["eval_loss"] - res["eval_loss"]) / res["eval_loss"]
-        line["comparable"] = abs(line["eval_loss_rel_diff"]) <= 0.05
-    b.append(line)
-
-
 def run_bench(cfg: DictConfig, extra: list[str], command: str) -> Path:
     """Run every configuration of cfg.bench; returns the output directory."""
     from ftcore import bench_report
+    from ftcore.bench_vs_hf import run_cpu_vs_hf
 
     kinds = {"layouts": run_layouts, "cpu_vs_hf": run_cpu_vs_hf}
     if cfg.bench.kind not in kinds:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ftcore.bench_turns import Turn
 from ftcore.cli import run
 
 SPEC_ENV = "FTCORE_BENCH_SPEC"
@@ -131,6 +132,7 @@ def measure(state, spec: dict) -> dict:
     result["parts_by_rank"] = all_parts
     result["cpu_by_rank"] = _gather([r.get("cpu_s") for r in records])
     result["cpu_s"] = state.extra.get("bench_cpu_s")
+    result["waited_s"] = state.extra.get("bench_waited_s")  # outside the steps' times already
     result["peak_mem_gib"] = max(_gather(metrics.peak_mem_gib()))
     if spec.get("eval"):
         result["eval_loss"], result["eval_tokens"] = eval_loss(state)
@@ -177,9 +179,18 @@ def _epoch(state, timers: Timers) -> tuple[list[dict], float]:
     cfg = state.cfg
     steps = math.ceil(state.loader.report["rows"] / cfg.train.global_batch_size)
     cfg.train.max_steps = steps
-    c0 = time.process_time()
+    turn = Turn.from_env()
+    if turn is not None:  # hand over to the round's other runs every few steps (bench.turns)
+        turn.start(steps)
+        state.after_step.append(lambda _: turn.after_step())
+    cpu = [time.process_time()] * 2  # at the start, at the end of the latest step
+
+    def mark(_):
+        cpu[1] = time.process_time()
+
+    state.after_step.insert(0, mark)  # before a hand-over; the end-of-run export comes after
     trainer.fit(state)
-    state.extra["bench_cpu_s"] = time.process_time() - c0  # includes the end-of-run adapter export
+    state.extra["bench_cpu_s"] = cpu[1] - cpu[0]
     records = []
     if state.info.rank == 0:
         for line in (state.run_dir / "metrics.jsonl").read_text().splitlines():
@@ -190,6 +201,7 @@ def _epoch(state, timers: Timers) -> tuple[list[dict], float]:
                                 "step_time_s": r["step_time_s"], "parts": {}})  # fmt: skip
         if records:
             records[-1]["parts"] = timers.take()
+    state.extra["bench_waited_s"] = turn.waited_s if turn is not None else 0.0
     return records, sum(r["step_time_s"] for r in records)
 
 

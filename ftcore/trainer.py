@@ -43,6 +43,7 @@ class TrainState:
     consumed_samples: int = 0
     bad_steps: int = 0
     extra: dict = field(default_factory=dict)  # things later stages attach (e.g. wandb id)
+    after_step: list = field(default_factory=list)  # fn(state) after each step, outside its time
 
 
 def setup(cfg: DictConfig, *, data: bool = True) -> TrainState:
@@ -277,6 +278,8 @@ def fit(state: TrainState) -> None:
                 checkpoint.save(state, blocking=True)  # a no-op if this step's is already published
                 signals.consume(cfg, state.run_dir, state.info.rank)
                 raise StopRequested(state.step, reason)
+            for hook in state.after_step:  # the benchmark's turn-taking (ftcore.bench_turns)
+                hook(state)
             timer.exclude(time.perf_counter() - t0)
         finish(state)
     finally:

@@ -142,6 +142,8 @@ def test_cpu_vs_hf_end_to_end(tmp_path):
         assert x["ratio_vs_hf"] > 0 and math.isfinite(x["eval_loss"])
         assert x["eval_tokens"] == hf["eval_tokens"]
     assert "| ftcore | packed |" in (out / "bench.md").read_text()
+    # the three took turns: each waited for the others, outside its timed epoch
+    assert all(x["turns"] == 2 and x["waited_s"] > 0 for x in lines)
 
 
 def test_cpu_vs_hf_report_takes_medians_over_rounds(tmp_path):
