@@ -84,21 +84,23 @@ def _header(lines: list[dict]) -> list[str]:
 
 def layouts_md(lines: list[dict]) -> list[str]:
     out = [
-        "| run | layout | tokens/s/GPU | slot tok/s/GPU | predicted | meas/pred | step s (median, spread) "
+        "| run | layout | tokens/s/GPU | slot tok/s/GPU | predicted | host fp32 GFLOP/s | meas/pred "
+        "| step s (median, spread) "
         "| CPU s/step | meas/pred (CPU s) | TFLOP/s/GPU | MFU | peak GiB | split s/step: "
         + " / ".join(SPLIT)
         + " |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for ln in lines:
         if ln.get("status") != "ok":
-            out.append(f"| {ln['label']} | failed: {ln.get('error', '')[:120]} |||||||||")
+            out.append(f"| {ln['label']} | failed: {ln.get('error', '')[:120]} ||||||||||")
             continue
         pred = ln.get("predicted") or {}
         split = ln.get("time_split_s", {})
         out.append(
             f"| {ln['label']} | {_layout(ln['layout'])} | {_f(ln['tokens_per_s_per_gpu'])} "
             f"| {_f(ln['slot_tokens_per_s_per_gpu'])} | {_f(pred.get('tokens_per_s_per_gpu'))} "
+            f"| {_f((ln.get('host_probe') or {}).get('fp32', math.nan) * 1e3)} "
             f"| {_f(ln.get('measured_over_predicted'), '.2f')} "
             f"| {_f(ln['step_time_s'], '.3f')} ±{_f(100 * ln['step_time_spread'], '.0f')}% "
             f"| {_f(ln.get('cpu_step_s'), '.3f')} | {_f(ln.get('measured_over_predicted_cpu'), '.2f')} "
@@ -111,6 +113,8 @@ def layouts_md(lines: list[dict]) -> list[str]:
         "",
         "tokens/s/GPU counts non-padding tokens; slot tok/s/GPU counts global batch × seq_len per step, "
         "the planner's basis, so meas/pred = predicted step time / measured median step time. "
+        "Host fp32: one thread's matmul rate, measured just before the run for its prediction "
+        "(cluster.host_probe; the VM's speed drifts over minutes). "
         "Spread = (max − min) / median over the measured steps. CPU s/step: CPU seconds of the busiest "
         "worker process (median step), the basis local_cpu was calibrated on. On CPU, GiB is the peak resident memory "
         "of a worker and TFLOP/s/MFU are against conf/cluster's nominal peak. Split: mean seconds per "

@@ -339,6 +339,8 @@ class Bench:
 
 
 def run_layouts(b: Bench) -> None:
+    from ftcore.planner import host
+
     warm, meas = int(b.bench.warmup_steps), int(b.bench.measure_steps)
     for run in expand_runs(b.bench):
         ov = b.overrides(run) + [f"train.max_steps={warm + meas}"]
@@ -350,12 +352,16 @@ def run_layouts(b: Bench) -> None:
         except FtcoreError as e:
             b.append({**line, "status": "failed", "error": str(e)})
             continue
-        predicted = predict(ov)
+        host.probe.cache_clear()  # a VM's speed drifts by 20-40% over minutes: rates of now
+        predicted = predict(ov)  # (measured again where the cluster asks: cluster.host_probe)
+        rates = host.probe() if host.probe.cache_info().currsize else None
         load0 = load_avg()
         log.info("bench %s: running %s", b.bench.name, run.label)
         result, err = launch("ftcore.bench_worker", ov, {"warmup": warm, "measure": meas},
                              rdir, run.env, b.timeout_s)  # fmt: skip
         line.update(layout=layout, predicted=predicted, load_avg=[load0, load_avg()])
+        if rates:
+            line["host_probe"] = rates
         if result is None:
             b.append({**line, "status": "failed", "error": err})
             continue

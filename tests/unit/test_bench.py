@@ -127,6 +127,8 @@ def test_tiny_layout_bench_end_to_end(tmp_path):
     assert f"transformers {transformers.__version__}" in md
     # the host's one-thread rates that the local_cpu prediction used
     assert line["machine"]["probe"]["fp32"] > 0 and "One thread: fp32 matmul" in md
+    # and measured again just before the run, for its prediction
+    assert line["host_probe"]["fp32"] > 0 and "| host fp32 GFLOP/s |" in md
 
 
 def test_cpu_vs_hf_end_to_end(tmp_path):
