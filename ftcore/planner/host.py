@@ -8,7 +8,8 @@ local_cpu's fitted constants (matmul_efficiency, per-layer host cost, link rate)
 and additions to these two rates, so measuring the rates where the planner runs keeps its step
 time honest on any host. The probe is what the yaml's nominal numbers were read with: one thread,
 a 1024^3 matmul in fp32 and in bf16 and torch.add over 64 MiB fp32 tensors, the median of seven
-runs each. It takes ~0.4 s, once per process.
+runs each. It takes ~0.4 s, once per process (the layouts benchmark clears the cache to
+probe again before each run).
 """
 
 from __future__ import annotations
