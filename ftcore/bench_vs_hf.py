@@ -24,6 +24,7 @@ from ftcore.bench_runner import (
     load_avg,
 )
 from ftcore.bench_worker import PARTS
+from ftcore.errors import FtcoreError
 
 log = logging.getLogger("ftcore")
 
@@ -34,13 +35,19 @@ def run_cpu_vs_hf(b: Bench) -> None:
     `bench.turns` a round's runs take turns in slices of their epochs instead (bench_turns)."""
     from ftcore.bench_hf import make_hf_model
 
+    rounds, turns = max(1, int(b.bench.repeats)), int(b.bench.turns)
+    runs = expand_runs(b.bench)
+    if turns > 0:
+        for run in runs:
+            if layout_of([*b.bench.base, *b.extra, *run.overrides])["nproc_per_node"] > 1:
+                raise FtcoreError(f"run {run.label!r} starts several processes; taking turns "
+                                  "hands over between one process per run", field="bench.turns",
+                                  fix="bench.turns=0, or launcher.nproc_per_node=1 in that run")  # fmt: skip
     hf = OmegaConf.to_container(b.bench.hf, resolve=True) if b.bench.hf else {}
     b.runs_dir.mkdir(parents=True, exist_ok=True)
     model_dir = make_hf_model(b.runs_dir / "hf_model", hf.get("shape"), int(hf.get("seed", 1234)))
     threads = int(b.bench.threads or 1)
     base = [*b.bench.base, *b.extra, f"model.hf_path={model_dir}"]
-    rounds, turns = max(1, int(b.bench.repeats)), int(b.bench.turns)
-    runs = expand_runs(b.bench)
     for k in range(rounds):
         rdir = b.runs_dir / f"round{k + 1}" if rounds > 1 else b.runs_dir
         spec = {"model_dir": str(model_dir), "overrides": base, "batch_size": int(hf.get("batch_size", 16)),

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from ftcore import bench_turns
 
 WORKER = """
@@ -67,3 +69,17 @@ def test_a_hung_worker_is_killed_at_the_deadline(tmp_path):
 def test_without_the_runner_there_is_no_turn(monkeypatch):
     monkeypatch.delenv(bench_turns.TURN_ENV, raising=False)
     assert bench_turns.Turn.from_env() is None
+
+
+def test_a_run_of_several_processes_cannot_take_turns(tmp_path):
+    from ftcore.bench_runner import Bench
+    from ftcore.bench_vs_hf import run_cpu_vs_hf
+    from ftcore.config import compose
+    from ftcore.errors import FtcoreError
+
+    cfg = compose(["bench=cpu_vs_hf_smoke", f"bench.output_dir={tmp_path}"])
+    b = Bench(cfg, ["launcher.nproc_per_node=2"], "python -m ftcore.bench ...")
+    with pytest.raises(FtcoreError, match="several processes") as e:
+        run_cpu_vs_hf(b)
+    assert e.value.field == "bench.turns"
+    assert not (tmp_path / "runs").exists()  # nothing started
