@@ -7,7 +7,7 @@ splits its epoch into N slices and hands over after each: slice i of every side 
 same few seconds, and each side's timed wall leaves out the time it waited. Cost: one pipe write
 and read per hand-over, and caches the other process has just used (measured: see README).
 
-Runner side: `take_turns(procs)`. Worker side: `Turn.from_env()`, then `turn.after_step()` after
+Runner side: `spawn` and `take_turns`. Worker side: `Turn.from_env()`, then `turn.after_step()` after
 each training step of the epoch (outside its timed part). The turn is held from the start of the
 process to its first hand-over and from the last one to its exit: set-up, eval and export never
 overlap another's timed steps.
@@ -43,18 +43,16 @@ class Turn:
         """The epoch has total_steps steps: hand over after every ceil(total / slices)."""
         self.per_slice = max(1, math.ceil(total_steps / max(1, self.slices)))
 
-    def after_step(self) -> float:
-        """Hand over at a slice's end; returns the seconds spent waiting (0 within a slice)."""
+    def after_step(self) -> None:
+        """Hand over at a slice's end and wait for the turn; the wait adds to waited_s."""
         self.steps += 1
         if self.steps % self.per_slice:
-            return 0.0
+            return
         t0 = time.perf_counter()
         os.write(self.write_fd, b"y")
         if os.read(self.read_fd, 1) != b"g":
             raise RuntimeError("the benchmark runner went away")
-        waited = time.perf_counter() - t0
-        self.waited_s += waited
-        return waited
+        self.waited_s += time.perf_counter() - t0
 
 
 def spawn(cmd: list[str], env: dict, log_file, slices: int) -> tuple[subprocess.Popen, int, int]:
@@ -93,21 +91,17 @@ def take_turns(starts: list, timeout_s: float) -> list:
             proc, rfd, wfd = start()
             workers.append((i, proc, rfd, wfd))
             if not _wait_hand_over(rfd, proc, deadline):
-                workers.pop()
-                _close(proc, rfd, wfd)
-                codes[i] = proc.wait()
+                codes[i] = _retire(*workers.pop()[1:])
         while workers:
             for entry in list(workers):
                 i, proc, rfd, wfd = entry
                 if not _hand_to(wfd) or not _wait_hand_over(rfd, proc, deadline):
                     workers.remove(entry)
-                    _close(proc, rfd, wfd)
-                    codes[i] = proc.wait()
+                    codes[i] = _retire(proc, rfd, wfd)
     except TimeoutError:
         for i, proc, rfd, wfd in workers:
             proc.kill()
-            proc.wait()
-            _close(proc, rfd, wfd)
+            _retire(proc, rfd, wfd)
             codes[i] = "timeout"
     return codes
 
@@ -120,9 +114,11 @@ def _hand_to(fd: int) -> bool:
         return False
 
 
-def _close(proc, rfd: int, wfd: int) -> None:
+def _retire(proc: subprocess.Popen, rfd: int, wfd: int) -> int:
+    """Close the runner's ends of a worker's pipes; its exit code."""
     for fd in (rfd, wfd):
         try:
             os.close(fd)
         except OSError:
             pass
+    return proc.wait()
