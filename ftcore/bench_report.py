@@ -219,13 +219,12 @@ def plot(lines: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [ln for ln in lines if ln.get("status") == "ok"]
+    vs_hf = bool(lines) and lines[0].get("kind") == "cpu_vs_hf"
+    # one bar (group) per run: cpu_vs_hf's medians over its rounds, a layouts run's own line
+    ok = summary(lines) if vs_hf else [ln for ln in lines if ln.get("status") == "ok"]
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(ok) + 2), 4.5))
-    labels = [ln["label"] for ln in ok]
-    x = range(len(ok))
-    if lines and lines[0].get("kind") == "cpu_vs_hf":
-        ok = summary(lines)  # medians over the rounds
-        labels, x = [s["label"] for s in ok], range(len(ok))
+    labels, x = [r["label"] for r in ok], range(len(ok))
+    if vs_hf:
         vals = [s["tokens_per_s"] for s in ok]
         colors = ["tab:gray" if s["side"] == "hf" else "tab:blue" for s in ok]
         ax.bar(x, vals, color=colors)
