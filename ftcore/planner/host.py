@@ -55,10 +55,10 @@ def probe() -> dict[str, float]:
     """One thread's dense matmul rates in TFLOP/s ("fp32", "bf16") and add bandwidth ("gbps")."""
     import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     x, y = torch.randn(ADD_ELEMS), torch.randn(ADD_ELEMS)
     z = torch.empty(ADD_ELEMS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     rates = {"fp32": 0.0, "bf16": 0.0, "gbps": 0.0}
     try:
         for _ in range(PASSES):

@@ -170,15 +170,17 @@ def test_cpu_host_probe_agrees_with_a_plain_timing():
 def test_cpu_host_probe_keeps_each_rates_faster_pass(monkeypatch):
     """A burst of other work slows one pass of the probe; the rate kept is the other pass's, in
     either order (a slow pass never lowers a reading, whichever comes first)."""
-    for slow_pass in range(host.PASSES):
-        calls = iter(range(100))
+    try:
+        for slow_pass in range(host.PASSES):
+            calls = iter(range(100))
 
-        def timed(fn, tries=host.TRIES, slow_pass=slow_pass, calls=calls):
-            return 0.1 if next(calls) // 3 == slow_pass else 0.01  # 3 timings per pass
+            def timed(fn, tries=host.TRIES, slow_pass=slow_pass, calls=calls):
+                return 0.1 if next(calls) // 3 == slow_pass else 0.01  # 3 timings per pass
 
-        monkeypatch.setattr(host, "_median_s", timed)
-        host.probe.cache_clear()
-        rates = host.probe()
-        assert rates["fp32"] == pytest.approx(2 * host.MATMUL_N**3 / 0.01 / 1e12)
-        assert rates["gbps"] == pytest.approx(3 * host.ADD_ELEMS * 4 / 0.01 / 1e9)
-    host.probe.cache_clear()
+            monkeypatch.setattr(host, "_median_s", timed)
+            host.probe.cache_clear()
+            rates = host.probe()
+            assert rates["fp32"] == pytest.approx(2 * host.MATMUL_N**3 / 0.01 / 1e12)
+            assert rates["gbps"] == pytest.approx(3 * host.ADD_ELEMS * 4 / 0.01 / 1e9)
+    finally:
+        host.probe.cache_clear()  # no made-up rates left for the tests after this one
