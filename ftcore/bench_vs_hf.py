@@ -37,9 +37,11 @@ def run_cpu_vs_hf(b: Bench) -> None:
 
     rounds, turns = max(1, int(b.bench.repeats)), int(b.bench.turns)
     runs = expand_runs(b.bench)
+    # once per run: model.hf_path, threads and FIXED (added per round below) leave the layout as is
+    layouts = [layout_of([*b.bench.base, *b.extra, *run.overrides]) for run in runs]
     if turns > 0:
-        for run in runs:
-            if layout_of([*b.bench.base, *b.extra, *run.overrides])["nproc_per_node"] > 1:
+        for run, layout in zip(runs, layouts):
+            if layout["nproc_per_node"] > 1:
                 raise FtcoreError(f"run {run.label!r} starts several processes; taking turns "
                                   "hands over between one process per run", field="bench.turns",
                                   fix="bench.turns=0, or launcher.nproc_per_node=1 in that run")  # fmt: skip
@@ -71,8 +73,8 @@ def run_cpu_vs_hf(b: Bench) -> None:
                 outcomes.append(launch(*job, b.timeout_s))
                 loads.append([load0, load_avg()])
         res = _hf_line(b, outcomes[0], k + 1, loads[0], turns)
-        for run, job, outcome, load in zip(runs, jobs[1:], outcomes[1:], loads[1:]):
-            _ftcore_line(b, run, job[1], outcome, res, k + 1, load, turns)
+        for run, layout, outcome, load in zip(runs, layouts, outcomes[1:], loads[1:]):
+            _ftcore_line(b, run, layout, outcome, res, k + 1, load, turns)
 
 
 def _hf_line(b: Bench, outcome: tuple, round_: int, load: list, turns: int) -> dict | None:
@@ -87,7 +89,7 @@ def _hf_line(b: Bench, outcome: tuple, round_: int, load: list, turns: int) -> d
     return res
 
 
-def _ftcore_line(b: Bench, run: Run, ov: list[str], outcome: tuple, res: dict | None, round_: int,
+def _ftcore_line(b: Bench, run: Run, layout: dict, outcome: tuple, res: dict | None, round_: int,
                  load: list, turns: int) -> None:  # fmt: skip
     r, err = outcome
     line = {"label": run.label, "side": "ftcore", "round": round_, "overrides": run.overrides,
@@ -105,7 +107,7 @@ def _ftcore_line(b: Bench, run: Run, ov: list[str], outcome: tuple, res: dict | 
         train_loss_last=r["steps"][-1]["loss"], peak_mem_gib=r["peak_mem_gib"],
         threads=r.get("threads"), time_split_s=split, cpu_s=r.get("cpu_s"),
         tokens_per_cpu_s=tokens / r["cpu_s"] if r.get("cpu_s") else None, packing_efficiency=r["data_report"]["packing_efficiency"],
-        layout=layout_of(ov), waited_s=r.get("waited_s"),
+        layout=layout, waited_s=r.get("waited_s"),
     )  # fmt: skip
     if res is not None:
         line["ratio_vs_hf"] = line["tokens_per_s"] / res["tokens_per_s"]
