@@ -17,6 +17,7 @@ from ftcore.data.packing import MicroBatch, attention_mask_from_segments, make_m
 from ftcore.data.sampler import Sampler, rng
 from ftcore.data.templates import Doc
 from ftcore.data.tokenized import Tokenized, tokenize_source
+from ftcore.data.transfer import pin_host_batches
 from ftcore.errors import FtcoreError
 
 __all__ = [
@@ -168,7 +169,8 @@ def row_width(rows: list[list[Doc]], seq_len: int, multiple: int | None) -> int:
 def assemble(cfg, docs: Docs, rows: list[list[int]], pad_id: int) -> list[MicroBatch]:
     """This rank's rows of one global batch (document ids) -> its micro-batches, each as wide as
     row_width says; under PP all of a step's micro-batches take the widest (pipeline sends have
-    one shape per step). Training and evaluation both come through here."""
+    one shape per step). Training and evaluation both come through here. Micro-batches for a
+    CUDA device come in pinned memory, so their copies to it need no host sync (data/transfer.py)."""
     micro, multiple = cfg.train.micro_batch_size, trim_multiple(cfg)
     groups = [
         [[docs.docs[d] for d in r] for r in rows[i : i + micro]] for i in range(0, len(rows), micro)
@@ -176,7 +178,10 @@ def assemble(cfg, docs: Docs, rows: list[list[int]], pad_id: int) -> list[MicroB
     widths = [row_width(g, cfg.data.seq_len, multiple) for g in groups]
     if cfg.parallel.pp > 1:
         widths = [max(widths)] * len(widths)
-    return [make_microbatch(g, w, pad_id) for g, w in zip(groups, widths)]
+    mbs = [make_microbatch(g, w, pad_id) for g, w in zip(groups, widths)]
+    if pin_host_batches(cfg.cluster.device):
+        mbs = [mb.pin_memory() for mb in mbs]
+    return mbs
 
 
 class TrainLoader:
