@@ -169,8 +169,7 @@ def row_width(rows: list[list[Doc]], seq_len: int, multiple: int | None) -> int:
 def assemble(cfg, docs: Docs, rows: list[list[int]], pad_id: int) -> list[MicroBatch]:
     """This rank's rows of one global batch (document ids) -> its micro-batches, each as wide as
     row_width says; under PP all of a step's micro-batches take the widest (pipeline sends have
-    one shape per step). Training and evaluation both come through here. Micro-batches for a
-    CUDA device come in pinned memory, so their copies to it need no host sync (data/transfer.py)."""
+    one shape per step). Training and evaluation both come through here."""
     micro, multiple = cfg.train.micro_batch_size, trim_multiple(cfg)
     groups = [
         [[docs.docs[d] for d in r] for r in rows[i : i + micro]] for i in range(0, len(rows), micro)
@@ -178,10 +177,7 @@ def assemble(cfg, docs: Docs, rows: list[list[int]], pad_id: int) -> list[MicroB
     widths = [row_width(g, cfg.data.seq_len, multiple) for g in groups]
     if cfg.parallel.pp > 1:
         widths = [max(widths)] * len(widths)
-    mbs = [make_microbatch(g, w, pad_id) for g, w in zip(groups, widths)]
-    if pin_host_batches(cfg.cluster.device):
-        mbs = [mb.pin_memory() for mb in mbs]
-    return mbs
+    return [make_microbatch(g, w, pad_id) for g, w in zip(groups, widths)]
 
 
 class TrainLoader:
@@ -203,6 +199,7 @@ class TrainLoader:
             docs.source_ids, counts, lengths, cfg.data.seq_len, cfg.data.packing, cfg.run.seed
         )
         self.cfg = cfg
+        self.pin = pin_host_batches(cfg.cluster.device)
         self.report = self._report()
 
     def _report(self) -> dict:
@@ -228,7 +225,11 @@ class TrainLoader:
         return rows[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
 
     def next_microbatches(self) -> list[MicroBatch]:
-        return assemble(self.cfg, self.docs, self.next_rows(), self.pad_id)
+        """The next step's micro-batches; for a CUDA device in pinned memory, so their copies to
+        it need no host sync (data/transfer.py). Only a step's worth is pinned at a time: the
+        evaluation batches, kept for the whole run, stay in pageable memory."""
+        mbs = assemble(self.cfg, self.docs, self.next_rows(), self.pad_id)
+        return [mb.pin_memory() for mb in mbs] if self.pin else mbs
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()

@@ -115,17 +115,17 @@ def test_copies_to_cuda_are_non_blocking():
     assert rec.calls == [("cuda", True), ("cuda", True), ("cpu", False)]
 
 
-def _assemble(device: str) -> list[MicroBatch]:
-    cfg = compose(
-        TINY + [f"cluster.device={device}", "data.packing=true", "train.micro_batch_size=1"]
-    )
+def _next_microbatches(device: str) -> list[MicroBatch]:
+    """A training step's micro-batches from ftcore's loader, for a run on `device`."""
+    cfg = compose(TINY + [f"cluster.device={device}", "data.packing=true",
+                          "train.micro_batch_size=1", "train.global_batch_size=2"])  # fmt: skip
     rng = np.random.default_rng(0)
-    docs = pipeline.Docs(docs=[Doc(rng.integers(0, 50, n).astype(np.int32), np.ones(n, bool))
-                               for n in (5, 9, 3, 12)])  # fmt: skip
-    return pipeline.assemble(cfg, docs, [[0, 1], [2, 3]], pad_id=0)
+    docs = [Doc(rng.integers(0, 50, n).astype(np.int32), np.ones(n, bool)) for n in (5, 29, 30, 31)]
+    source = pipeline.Docs(docs=docs, source_ids=[np.arange(len(docs))])
+    return pipeline.TrainLoader(cfg, source, [len(docs)], 0, 0, 1).next_microbatches()
 
 
-def test_assemble_pins_batches_for_cuda(monkeypatch):
+def test_training_batches_pinned_for_cuda(monkeypatch):
     pinned = []
 
     def pin(mb):  # CUDA is absent here: record the request instead of pinning
@@ -133,12 +133,12 @@ def test_assemble_pins_batches_for_cuda(monkeypatch):
         return mb
 
     monkeypatch.setattr(MicroBatch, "pin_memory", pin)
-    assert len(_assemble("cpu")) == 2 and not pinned
-    assert len(_assemble("cuda")) == 2 and not pinned  # no CUDA on this machine: no pinning
+    assert len(_next_microbatches("cpu")) == 2 and not pinned
+    assert len(_next_microbatches("cuda")) == 2 and not pinned  # no CUDA here: nothing pinned
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    mbs = _assemble("cuda")
+    mbs = _next_microbatches("cuda")
     assert pinned == mbs and len(mbs) == 2
-    _assemble("cpu")
+    _next_microbatches("cpu")
     assert len(pinned) == 2  # a CPU run never pins
 
 
