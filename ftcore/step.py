@@ -14,8 +14,8 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ftcore.data.packing import cu_seqlens_from_segments
 from ftcore.data.pipeline import MicroBatch, attention_mask_from_segments
+from ftcore.data.transfer import to_device
 from ftcore.models import attention, target_logits
 from ftcore.models.sharding import unwrap
 from ftcore.runtime import cpu
@@ -46,7 +46,7 @@ def loss_func(mb: MicroBatch, vocab_size: int, rows, output: torch.Tensor):
 
 def _loss(mb: MicroBatch, vocab_size: int, rows, output: torch.Tensor):
     """rows: the positions the logits were computed at (models/target_logits.py), or None."""
-    labels, mask = mb.labels.to(output.device), mb.loss_mask.to(output.device)
+    labels, mask = to_device(mb.labels, output.device), to_device(mb.loss_mask, output.device)
     if rows is not None:
         labels, mask = target_logits.at_rows(labels, rows), target_logits.at_rows(mask, rows)
     losses = token_losses(output, labels, vocab_size)
@@ -55,13 +55,23 @@ def _loss(mb: MicroBatch, vocab_size: int, rows, output: torch.Tensor):
     return loss_sum, num_tokens, {"lm": torch.stack([loss_sum.detach(), mask.sum()])}
 
 
+def loss_sums(outputs: list[dict]) -> list[float]:
+    """(loss sum, target tokens) over a step's micro-batch outputs (`loss_func`'s "lm"), read from
+    the device in one transfer: the step's one intended host sync for its loss (none on the
+    stages without a loss, whose output list is empty). Summed on the host in order, as before."""
+    if not outputs:
+        return [0.0, 0.0]
+    rows = torch.stack([o["lm"] for o in outputs]).tolist()
+    return [sum(r[0] for r in rows), sum(r[1] for r in rows)]
+
+
 def packed_seq_params(mb: MicroBatch, device) -> PackedSeqParams:
     """THD layout for Transformer Engine's fused attention: documents of the packed row as
-    cu_seqlens, so attention and RoPE restart per document without an s x s mask."""
-    cu, longest = cu_seqlens_from_segments(mb.segment_ids)
-    cu = cu.to(device)
+    cu_seqlens, so attention and RoPE restart per document without an s x s mask. cu_seqlens was
+    built with the micro-batch; the longest length is a Python int (no device read)."""
+    cu = to_device(mb.cu_seqlens, device)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
+                           max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)  # fmt: skip
 
 
 def forward_step(data_iterator, model):
@@ -69,15 +79,20 @@ def forward_step(data_iterator, model):
 
     On CPU (local attention) packed documents are kept apart by a block-diagonal causal mask; on
     GPU with Transformer Engine, packed rows go in as THD (cu_seqlens) and plain rows as causal.
-    The output layer runs at the target positions only where it can (models/target_logits.py)."""
+    The output layer runs at the target positions only where it can (models/target_logits.py).
+    Inputs go to the device with non-blocking copies, and what depends on the data (masks,
+    documents, target rows) is computed from the host tensors: no host sync per micro-batch."""
     mb: MicroBatch = next(data_iterator)
     device = next(model.parameters()).device
     chunk = unwrap(model)
-    rows = target_logits.rows_of(mb.loss_mask).to(device) if target_logits.applies(chunk) else None
+    rows = width = None
+    if target_logits.applies(chunk):
+        rows = to_device(target_logits.rows_of(mb.loss_mask), device)
+        width = target_logits.widest(mb.loss_mask)
     kwargs = {}
     packed = int(mb.segment_ids.max()) > 1
     if not getattr(chunk, "uses_te", False):
-        mask = attention_mask_from_segments(mb.segment_ids).to(device)
+        mask = attention_mask_from_segments(to_device(mb.segment_ids, device))
         if packed and chunk.config.context_parallel_size == 1:
             # packed rows: attend document by document (models/attention.py)
             mask = attention.with_documents(mask, attention.documents(mb.segment_ids).to(device))
@@ -85,8 +100,9 @@ def forward_step(data_iterator, model):
         mask = None
         if packed:
             kwargs["packed_seq_params"] = packed_seq_params(mb, device)
-    with cpu.mode_suspended(), target_logits.only_at(chunk, rows):
-        output = model(mb.tokens.to(device), mb.position_ids.to(device), mask, **kwargs)
+    with cpu.mode_suspended(), target_logits.only_at(chunk, rows, width):
+        tokens, positions = to_device(mb.tokens, device), to_device(mb.position_ids, device)
+        output = model(tokens, positions, mask, **kwargs)
     return output, partial(loss_func, mb, chunk.vocab_size_unpadded, rows)
 
 

@@ -22,7 +22,7 @@ from ftcore import optim
 from ftcore.errors import FtcoreError, StopRequested
 from ftcore.runtime import cpu, signals
 from ftcore.runtime import dist as rdist
-from ftcore.step import forward_step, microbatch_iterators
+from ftcore.step import forward_step, loss_sums, microbatch_iterators
 
 log = logging.getLogger("ftcore")
 
@@ -156,8 +156,7 @@ def run_batches(
             micro_batch_size=cfg.train.micro_batch_size,
             forward_only=forward_only,
         )
-    local = [sum(float(o["lm"][0]) for o in out), sum(float(o["lm"][1]) for o in out)]
-    loss_sum, n = _reduce_sums(local, _is_loss_rank())
+    loss_sum, n = _reduce_sums(loss_sums(out), _is_loss_rank())
     return loss_sum, n
 
 

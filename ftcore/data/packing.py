@@ -7,7 +7,7 @@ cross into the next document: the last token of a document predicts nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -26,10 +26,27 @@ class MicroBatch:
     position_ids: torch.Tensor  # int64, restart at 0 for each packed document
     segment_ids: torch.Tensor  # int32, document index within the row (1, 2, ...); 0 = padding
     num_tokens: int  # non-padding tokens
+    # THD layout of the rows (cu_seqlens_from_segments), computed once here on the host: the
+    # forward step of every virtual pipeline stage reads it, and a Python int needs no device sync
+    cu_seqlens: torch.Tensor | None = None  # int32 [documents + 1]
+    max_seqlen: int = 0
+
+    def __post_init__(self):
+        if self.cu_seqlens is None:
+            self.cu_seqlens, self.max_seqlen = cu_seqlens_from_segments(self.segment_ids)
 
     @property
     def num_target_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
+
+    def pin_memory(self) -> MicroBatch:
+        """The same micro-batch in pinned host memory, so copies to the GPU can be asynchronous
+        (ftcore.data.transfer); needs CUDA."""
+        pinned = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k, v in pinned.items():
+            if isinstance(v, torch.Tensor):
+                pinned[k] = v.pin_memory()
+        return MicroBatch(**pinned)
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -252,17 +269,15 @@ def attention_mask_from_segments(segment_ids: torch.Tensor) -> torch.Tensor:
 
 def cu_seqlens_from_segments(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """THD layout for TE's fused attention: cumulative lengths (int32) of the documents of the
-    flattened batch, each row's padding counted as one more sequence; and the longest length."""
-    lengths = []
-    for row in segment_ids.tolist():
-        runs, prev = [], None
-        for s in row:
-            if s == prev:
-                runs[-1] += 1
-            else:
-                runs.append(1)
-                prev = s
-        lengths += runs
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
-    return cu, max(lengths, default=0)
+    flattened batch, each row's padding counted as one more sequence; and the longest length.
+
+    A sequence starts at the first position of each row and wherever the segment id changes, so
+    cu_seqlens is those start offsets in the flattened [b * s] order followed by b * s: array
+    operations on the host, no loop over tokens."""
+    seg = np.asarray(segment_ids)
+    if seg.size == 0:
+        return torch.zeros(1, dtype=torch.int32), 0
+    starts = np.ones(seg.shape, dtype=bool)
+    starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    cu = np.append(np.flatnonzero(starts), seg.size).astype(np.int32)
+    return torch.from_numpy(cu), int(np.diff(cu).max())

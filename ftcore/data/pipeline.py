@@ -17,6 +17,7 @@ from ftcore.data.packing import MicroBatch, attention_mask_from_segments, make_m
 from ftcore.data.sampler import Sampler, rng
 from ftcore.data.templates import Doc
 from ftcore.data.tokenized import Tokenized, tokenize_source
+from ftcore.data.transfer import pin_host_batches
 from ftcore.errors import FtcoreError
 
 __all__ = [
@@ -198,6 +199,7 @@ class TrainLoader:
             docs.source_ids, counts, lengths, cfg.data.seq_len, cfg.data.packing, cfg.run.seed
         )
         self.cfg = cfg
+        self.pin = pin_host_batches(cfg.cluster.device)
         self.report = self._report()
 
     def _report(self) -> dict:
@@ -223,7 +225,11 @@ class TrainLoader:
         return rows[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
 
     def next_microbatches(self) -> list[MicroBatch]:
-        return assemble(self.cfg, self.docs, self.next_rows(), self.pad_id)
+        """The next step's micro-batches; for a CUDA device in pinned memory, so their copies to
+        it need no host sync (data/transfer.py). Only a step's worth is pinned at a time: the
+        evaluation batches, kept for the whole run, stay in pageable memory."""
+        mbs = assemble(self.cfg, self.docs, self.next_rows(), self.pad_id)
+        return [mb.pin_memory() for mb in mbs] if self.pin else mbs
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()

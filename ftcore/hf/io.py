@@ -155,12 +155,27 @@ def _blocks(piece: mappings.Piece, shape: list[int], itemsize: int) -> list[mapp
     ]
 
 
+def _quantized(p: torch.Tensor) -> bool:
+    """A tensor subclass (Transformer Engine's FP8/FP4 tensors), not plain memory rows can be
+    written into: it gets its shard assembled first and written whole."""
+    return type(p) not in (torch.Tensor, torch.nn.Parameter)
+
+
 @torch.no_grad()
 def load_weights(cfg: DictConfig, chunks: list) -> None:
     """Every parameter of this rank's chunks from the HF directory, reading only this rank's slices.
 
     Each piece is read in row blocks straight into its rows of the parameter, so beyond the shard
-    itself a rank holds one block (and its mapped pages) at a time."""
+    itself a rank holds one block (and its mapped pages) at a time.
+
+    A quantized parameter is never written piece by piece: with `fp8_param_gather` the base weights
+    are Transformer Engine Float8Tensors (or MXFP8/NVFP4 tensors). A slice of a Float8Tensor is a
+    view that shares its parent's scale_inv and quantizer, and `copy_` of a plain tensor into it
+    calls `quantize_`, which under current scaling takes the scale from the amax of that slice
+    alone and writes it into the shared scale_inv: rows written earlier would be decoded with the
+    last piece's scale, with no error (TE's tensor/float8_tensor.py and quantized_tensor.py). So
+    its shard is assembled in high precision (its dtype, on its device) and written with one
+    `copy_`, which quantizes with the whole shard's amax: one extra shard at a time."""
     from megatron.core import parallel_state as ps
 
     from ftcore.models.sharding import iter_params, shard_info
@@ -175,33 +190,44 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
         if mp is None:
             raise FtcoreError(f"parameter {name} has no Hugging Face counterpart", field=field,
                               fix="load HF weights before adding adapters; only Llama layers are mapped")  # fmt: skip
-        row = 0
-        for piece in mappings.shard_pieces(
+        pieces = mappings.shard_pieces(
             mp, info=shard_info(name, p, tp), s=shapes, tp_rank=tp_rank, tp=tp
-        ):
-            if piece.hf is None:
-                n = piece.rows[1] - piece.rows[0]
-                p[row : row + n].zero_()
-                row += n
-                continue
-            _, meta = st.entry(piece.hf)
-            itemsize = torch.empty(
-                (), dtype=DTYPES.get(meta["dtype"], torch.float32)
-            ).element_size()
-            for block in _blocks(piece, meta["shape"], itemsize):
-                t = st.read(block)
-                dst = p[row : row + t.shape[0]] if p.dim() > 1 else p
-                if tuple(t.shape) != tuple(dst.shape):
-                    raise FtcoreError(f"{name}: {block.hf} rows {block.rows} give {tuple(t.shape)}, the "
-                                      f"parameter's slice is {tuple(dst.shape)}", field=field)  # fmt: skip
-                dst.copy_(t)
-                row += t.shape[0]
-                del t
+        )
+        whole = _quantized(p)
+        dst = torch.empty(p.shape, dtype=p.dtype, device=p.device) if whole else p
+        row = _fill_rows(st, name, dst, pieces, field)
         if row != p.shape[0]:
             raise FtcoreError(
                 f"{name}: {', '.join(mp.hf)} filled {row} of {p.shape[0]} rows", field=field
             )
+        if whole:
+            p.copy_(dst)
+        del dst
     log.info("loaded %s weights from %s", field, root)
+
+
+def _fill_rows(st: SafetensorsDir, name: str, dst: torch.Tensor, pieces, field: str) -> int:
+    """The rows of `dst` from `pieces` in order, each read in blocks of at most READ_BLOCK_BYTES (a
+    piece without a tensor is zero rows: the padded vocab); returns the number of rows filled."""
+    row = 0
+    for piece in pieces:
+        if piece.hf is None:
+            n = piece.rows[1] - piece.rows[0]
+            dst[row : row + n].zero_()
+            row += n
+            continue
+        _, meta = st.entry(piece.hf)
+        itemsize = torch.empty((), dtype=DTYPES.get(meta["dtype"], torch.float32)).element_size()
+        for block in _blocks(piece, meta["shape"], itemsize):
+            t = st.read(block)
+            rows = dst[row : row + t.shape[0]] if dst.dim() > 1 else dst
+            if tuple(t.shape) != tuple(rows.shape):
+                raise FtcoreError(f"{name}: {block.hf} rows {block.rows} give {tuple(t.shape)}, the "
+                                  f"parameter's slice is {tuple(rows.shape)}", field=field)  # fmt: skip
+            rows.copy_(t)
+            row += t.shape[0]
+            del t
+    return row
 
 
 class StreamWriter:

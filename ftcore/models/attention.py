@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from ftcore.data.transfer import to_device
 from ftcore.models.gather import RowGather, gather
 
 
@@ -52,9 +53,14 @@ class Documents:
     by_heads: dict = field(default_factory=dict)  # (heads, groups) -> HeadIndex, built once
 
     def to(self, device) -> Documents:
-        return Documents(*([t.to(device) for t in x] if isinstance(x, list) else x.to(device)
-                           for x in (self.buckets, self.kept, self.spare, self.singles,
-                                     self.order)))  # fmt: skip
+        def move(x):
+            return (
+                [to_device(t, device) for t in x] if isinstance(x, list) else to_device(x, device)
+            )
+
+        return Documents(
+            *map(move, (self.buckets, self.kept, self.spare, self.singles, self.order))
+        )
 
     def heads(self, heads: int, groups: int) -> HeadIndex:
         """Per-head row indices, so each bucket's Q, K and V arrive in attention's layout in one
@@ -183,7 +189,9 @@ def causal_attention(q, k, v, scale: float) -> torch.Tensor:
     return ctx.view(n, heads, w, d)
 
 
-def attention_at_rows(query, key, value, mask, rows, scale: float) -> torch.Tensor:
+def attention_at_rows(
+    query, key, value, mask, rows, scale: float, width: int | None = None
+) -> torch.Tensor:
     """The attention output at the flattened [s, b] positions `rows` only, [n, heads * d].
 
     The last layer's output matters only where the loss reads it (models/target_logits.py): its
@@ -196,7 +204,8 @@ def attention_at_rows(query, key, value, mask, rows, scale: float) -> torch.Tens
     col = rows % b
     order = torch.argsort(col * (s * b) + rows)  # by sequence, then position
     counts = torch.bincount(col, minlength=b)
-    width = int(counts.max())
+    if width is None:  # a device read; the training step passes it from the host mask
+        width = int(counts.max())
     by_col = col[order]
     first = (counts.cumsum(0) - counts)[by_col]  # each row's sequence starts there in `order`
     cell = by_col * width + torch.arange(n, device=rows.device) - first
@@ -218,6 +227,7 @@ def attention_at_rows(query, key, value, mask, rows, scale: float) -> torch.Tens
 class SdpaAttention(DotProductAttention):
     # target_logits sets query_rows for one forward of the last layer; rows_done says it was served
     query_rows: torch.Tensor | None = None
+    query_width: int | None = None  # target_logits.widest of the micro-batch
     rows_done: bool = False
 
     def _megatron_only(self) -> bool:
@@ -241,7 +251,8 @@ class SdpaAttention(DotProductAttention):
         if rows is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1:
             if 2 * rows.numel() <= s * b:  # else attending every row costs less
                 self.rows_done = True
-                ctx = attention_at_rows(query, key, value, attention_mask, rows, self.softmax_scale)
+                ctx = attention_at_rows(query, key, value, attention_mask, rows,
+                                        self.softmax_scale, self.query_width)  # fmt: skip
                 return ctx.view(-1, 1, self.hidden_size_per_partition)
         docs = getattr(attention_mask, "ftcore_documents", None)
         if docs is not None:

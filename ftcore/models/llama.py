@@ -69,8 +69,9 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
         bias_activation_fusion=on_cpu and swiglu.use_cpu_swiglu(),
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        # on CPU megatron's RoPE goes through ftcore.models.rope.apply_rope (TE's kernel on GPU)
-        apply_rope_fusion=on_cpu and rope.use_cpu_rope(),
+        # fused RoPE: ftcore.models.rope.apply_rope on CPU, TE's kernels on GPU (no per-layer
+        # host sync for packed rows)
+        apply_rope_fusion=rope.use_fused_rope(on_cpu),
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
         deallocate_pipeline_outputs=not on_cpu,

@@ -110,3 +110,21 @@ def use_cpu_rope() -> bool:
         return False  # TE's kernel is there: keep it
     rope_utils.fused_apply_rotary_pos_emb = apply_rope
     return True
+
+
+def use_fused_rope(on_cpu: bool) -> bool:
+    """`apply_rope_fusion` for megatron's TransformerConfig: a fused RoPE kernel wherever one is.
+
+    On GPU with Transformer Engine, TE's kernels: megatron's unfused path for packed (THD) rows
+    splits the tokens by `cu_seqlens.tolist()` in every attention layer, a host sync per layer per
+    micro-batch, while TE's THD kernel reads cu_seqlens on the device. Elsewhere (CPU, or a GPU
+    without TE, where packed rows take the mask path, never THD) ftcore's `apply_rope` is installed
+    as megatron's bshd kernel; on CPU a TE kernel is never used. megatron 0.16 accepts the flag when
+    either of its kernels (`fused_apply_rotary_pos_emb[_thd]`) is set and rotary_interleaved is off
+    or TE >= 2.3; it falls back to its unfused code only for mRoPE or an mscale != 1 (not Llama)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    te_kernel = rope_utils.fused_apply_rotary_pos_emb not in (None, apply_rope)
+    if te_kernel and not on_cpu:
+        return True
+    return use_cpu_rope()

@@ -38,6 +38,12 @@ def rows_of(loss_mask: torch.Tensor) -> torch.Tensor:
     return rows if rows.numel() else rows.new_zeros(1)
 
 
+def widest(loss_mask: torch.Tensor) -> int:
+    """The most target rows of one sequence (at least 1, as rows_of keeps one row): the width of
+    attention.attention_at_rows' grid, counted on the host mask so the GPU is not read for it."""
+    return max(1, int((loss_mask != 0).sum(1).max())) if loss_mask.numel() else 1
+
+
 def at_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """A [b, s] tensor (labels, loss mask) at the selected positions, as [1, n] like the logits."""
     return t.t().reshape(-1).index_select(0, rows.to(t.device)).unsqueeze(0)
@@ -91,11 +97,11 @@ def _install_attention(chunk) -> None:
         pick = chunk._ftcore_pick
         if pick is None or pick["done"]:
             return forward_attention(hidden_states, *args, **kwargs)
-        core.query_rows, core.rows_done = pick["rows"], False
+        core.query_rows, core.query_width, core.rows_done = pick["rows"], pick["width"], False
         try:
             out = forward_attention(hidden_states, *args, **kwargs)
         finally:
-            core.query_rows = None
+            core.query_rows = core.query_width = None
         pick["done"] = core.rows_done  # else (too many scores) the MLP picks
         return out
 
@@ -147,12 +153,13 @@ def install(chunk) -> None:
 
 
 @contextmanager
-def only_at(chunk, rows: torch.Tensor | None):
-    """Logits at `rows` only during this forward (None: every position)."""
+def only_at(chunk, rows: torch.Tensor | None, width: int | None = None):
+    """Logits at `rows` only during this forward (None: every position); width: `widest` of the
+    micro-batch's loss mask, if known (else attention reads it from the device)."""
     if rows is None or not chunk.post_process:
         yield
         return
-    pick = chunk._ftcore_pick = {"rows": rows, "done": False}
+    pick = chunk._ftcore_pick = {"rows": rows, "width": width, "done": False}
     try:
         yield
     finally:
