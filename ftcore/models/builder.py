@@ -1,4 +1,13 @@
-"""Build this rank's model: one megatron-core GPTModel per virtual pipeline stage."""
+"""Build this rank's model: one megatron-core GPTModel per virtual pipeline stage.
+
+The modules are built with autograd off. megatron asks Transformer Engine to keep a high-precision
+copy of each FP8/FP4 weight exactly when grad mode is on at build time
+(`preserve_high_precision_init_val=torch.is_grad_enabled()` in megatron's fp8_utils); TE then holds
+`param.detach().cpu()` per weight, and megatron frees it only for parameters its distributed
+optimizer owns. For a frozen base that is a BF16 host copy of every weight (~100 GB per rank for
+405B), and for a base loaded afterwards (model.hf_path) it is the random init, which the distributed
+optimizer would take as the fp32 main weights. Any copy left anyway is dropped after the build.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +17,8 @@ from megatron.core.models.gpt import GPTModel
 from omegaconf import DictConfig
 
 from ftcore import precision
+from ftcore.models import init as model_init
 from ftcore.models import target_logits
-from ftcore.models.init import init_weights
 from ftcore.models.llama import layer_spec, padded_vocab_size, transformer_config
 from ftcore.runtime import cpu
 
@@ -23,7 +32,7 @@ def build_model(cfg: DictConfig, *, vocab_size: int | None = None) -> list[GPTMo
     pp_rank = ps.get_pipeline_model_parallel_rank()
     rope = cfg.model.rope_scaling
     chunks = []
-    with cpu.device_mode():
+    with cpu.device_mode(), torch.no_grad():  # no TE high-precision copies (module docstring)
         for vp_stage in range(cfg.parallel.vp):
             chunk = GPTModel(
                 config=config,
@@ -50,12 +59,15 @@ def build_model(cfg: DictConfig, *, vocab_size: int | None = None) -> list[GPTMo
             elif chunk.post_process:
                 cpu.contiguous_output_grad(chunk.output_layer)
             chunks.append(chunk)
+    drop_high_precision_copies(chunks)
     from ftcore.models import rope
 
     rope.install(chunks, cfg.model)  # HF's inv_freq from all four llama3 rope_scaling fields
     if cfg.model.hf_path or cfg.model.init_path:
         return chunks  # every parameter is loaded next (ftcore.hf.io.load_weights)
-    init_weights(
+    init = init_method(cfg, on_gpu=not on_cpu)
+    draw = model_init.init_shards if init == "sharded" else model_init.init_weights
+    draw(
         chunks,
         seed=cfg.run.seed,
         std=cfg.model.init_std,
@@ -65,6 +77,28 @@ def build_model(cfg: DictConfig, *, vocab_size: int | None = None) -> list[GPTMo
         tp_rank=ps.get_tensor_model_parallel_rank(),
     )
     return chunks
+
+
+def init_method(cfg: DictConfig, *, on_gpu: bool) -> str:
+    """`model.init_method` resolved: `auto` draws shards on GPU for large models (models/init.py)."""
+    from ftcore.planner.params import total_params
+
+    total = total_params(cfg) if cfg.model.init_method == "auto" else 0
+    return model_init.choose(cfg.model.init_method, total_params=total, on_gpu=on_gpu)
+
+
+def drop_high_precision_copies(chunks: list) -> int:
+    """Free the high-precision init copies Transformer Engine attaches to FP8/FP4 parameters
+    (`get_high_precision_init_val`); returns how many there were. None survive a no-grad build;
+    this keeps it so whatever TE's default becomes."""
+    dropped = 0
+    for chunk in chunks:
+        for p in chunk.parameters():
+            get = getattr(p, "get_high_precision_init_val", None)
+            if get is not None and get() is not None:
+                p.clear_high_precision_init_val()
+                dropped += 1
+    return dropped
 
 
 def wrap_ddp(cfg: DictConfig, chunks: list[GPTModel]):
