@@ -20,6 +20,7 @@ from ftcore import precision
 from ftcore.models import init as model_init
 from ftcore.models import target_logits
 from ftcore.models.llama import layer_spec, padded_vocab_size, transformer_config
+from ftcore.planner.params import init_method
 from ftcore.runtime import cpu
 
 
@@ -65,7 +66,7 @@ def build_model(cfg: DictConfig, *, vocab_size: int | None = None) -> list[GPTMo
     rope.install(chunks, cfg.model)  # HF's inv_freq from all four llama3 rope_scaling fields
     if cfg.model.hf_path or cfg.model.init_path:
         return chunks  # every parameter is loaded next (ftcore.hf.io.load_weights)
-    init = init_method(cfg, on_gpu=not on_cpu)
+    init = init_method(cfg, on_gpu=not on_cpu)  # auto: sharded on GPU for large models
     draw = model_init.init_shards if init == "sharded" else model_init.init_weights
     draw(
         chunks,
@@ -77,14 +78,6 @@ def build_model(cfg: DictConfig, *, vocab_size: int | None = None) -> list[GPTMo
         tp_rank=ps.get_tensor_model_parallel_rank(),
     )
     return chunks
-
-
-def init_method(cfg: DictConfig, *, on_gpu: bool) -> str:
-    """`model.init_method` resolved: `auto` draws shards on GPU for large models (models/init.py)."""
-    from ftcore.planner.params import total_params
-
-    total = total_params(cfg) if cfg.model.init_method == "auto" else 0
-    return model_init.choose(cfg.model.init_method, total_params=total, on_gpu=on_gpu)
 
 
 def drop_high_precision_copies(chunks: list) -> int:

@@ -13,7 +13,8 @@ gives other numbers (a replicated parameter is the same on every rank, and every
 a shard is the same). The values also depend on the device's generator (same seed, same layout,
 same GPU type: same values).
 
-`auto` is sharded on GPU from SHARDED_ABOVE parameters on, layout-independent otherwise.
+`auto` is sharded on GPU from 1e9 parameters on, layout-independent otherwise
+(ftcore.planner.params.init_method, next to the parameter count it reads).
 """
 
 from __future__ import annotations
@@ -24,18 +25,6 @@ import zlib
 import torch
 
 from ftcore.models.sharding import iter_params, shard_info, take_shard
-
-METHODS = ("auto", "layout_independent", "sharded")
-# auto draws shards from this model size on (base + adapters, unsharded): an 8B model drawn whole
-# on the CPU costs ~1 min per rank, 70B/405B far more; below it the layout-independent draw is cheap
-SHARDED_ABOVE = 1_000_000_000
-
-
-def choose(method: str, *, total_params: int, on_gpu: bool) -> str:
-    """The init method a run uses: `auto` resolved by where it runs and the model's size."""
-    if method != "auto":
-        return method
-    return "sharded" if on_gpu and total_params >= SHARDED_ABOVE else "layout_independent"
 
 
 def _generator(seed: int, name: str) -> torch.Generator:

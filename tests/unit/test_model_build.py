@@ -193,7 +193,7 @@ def test_sharded_init_is_per_shard_and_repeatable(runtime):
 
 
 def test_init_method_defaults_keep_small_models_layout_independent():
-    from ftcore.models.builder import init_method
+    from ftcore.planner.params import init_method
 
     tiny, big = compose([*TINY]), compose(["+exp=8b_lora"])
     assert init_method(tiny, on_gpu=True) == "layout_independent"
