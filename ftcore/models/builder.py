@@ -81,16 +81,18 @@ def build_model(cfg: DictConfig, *, vocab_size: int | None = None) -> list[GPTMo
 
 
 def drop_high_precision_copies(chunks: list) -> int:
-    """Free the high-precision init copies Transformer Engine attaches to FP8/FP4 parameters
-    (`get_high_precision_init_val`); returns how many there were. None survive a no-grad build;
-    this keeps it so whatever TE's default becomes."""
+    """Free the high-precision init copies Transformer Engine attaches to FP8/FP4 parameters and
+    remove the accessors with them: megatron's distributed optimizer reads any parameter that
+    still has `get_high_precision_init_val` and would get None. Returns how many there were. None
+    survive a no-grad build; this keeps it so whatever TE's default becomes."""
     dropped = 0
     for chunk in chunks:
         for p in chunk.parameters():
-            get = getattr(p, "get_high_precision_init_val", None)
-            if get is not None and get() is not None:
-                p.clear_high_precision_init_val()
-                dropped += 1
+            if not hasattr(p, "get_high_precision_init_val"):
+                continue
+            dropped += p.get_high_precision_init_val() is not None
+            p.clear_high_precision_init_val()
+            del p.get_high_precision_init_val, p.clear_high_precision_init_val
     return dropped
 
 

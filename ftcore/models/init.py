@@ -3,7 +3,8 @@
 layout_independent (tests, small models, every CPU run): each parameter is drawn as the full tensor
 on the CPU from a generator seeded by (run.seed, global name), then sliced to this rank's shard.
 TP/PP/DP never change it, which is what the layout-parity tests rely on. Its cost is the whole
-model drawn on the CPU of every rank: minutes and ~8 GiB fp32 transients per tensor for 405B.
+model drawn on the CPU of every rank: hours for 405B (~2.2 s per 1e8 values on one thread) and
+~16 GiB of fp32 transients for its embedding (the real rows and the padded copy).
 
 sharded (large random-init runs on GPU: the benchmarks have no model.hf_path): each rank draws only
 its own shard, on the parameter's device, from a generator on that device seeded by (run.seed,
