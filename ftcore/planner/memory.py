@@ -240,8 +240,8 @@ def host_bytes(cfg: DictConfig, world: int, pp_rank: int) -> dict[str, int]:
       (models/init.py) draws on the GPU and a loaded base (hf_path/init_path) is not drawn: 0.
     - checkpoint: an async save (GPU) stages what the rank saves in host memory: its trainable
       weights and optimizer state (with PEFT only the adapters are saved).
-    FP8/FP4 weights leave no high-precision copy on the host (models/builder.py builds with
-    autograd off), so neither term grows with a frozen base."""
+    FP8/FP4 weights leave no high-precision copy on the host (models/builder.py drops each as it
+    is made: one weight's at a time), so neither term grows with a frozen base."""
     cfg = view(cfg)
     m, p = cfg.model, cfg.parallel
     on_gpu = cfg.cluster.device != "cpu"

@@ -3,8 +3,8 @@
 On GPU nothing moves a parameter after the build unless the distributed optimizer's buffer does, so
 an adapter created on the CPU meets a CUDA base in the first forward. The CPU stand-in for "another
 device" is `meta`: the base is moved there and every parameter and buffer the adapters add must
-follow it, in the model's dtype. And the model is built with autograd off, so megatron does not ask
-Transformer Engine to keep a high-precision host copy of each FP8 weight. A large random-init
+follow it, in the model's dtype. And no high-precision host copy of an FP8 weight (Transformer
+Engine keeps one per weight when megatron asks) survives the build. A large random-init
 run draws each rank's shard on its device, never the full tensor (models/init.py).
 """
 
@@ -67,47 +67,59 @@ def test_adapters_are_created_on_the_base_layers_device_and_dtype(runtime, peft)
         assert m.lora_A and m.lora_B
 
 
-def test_model_is_built_with_autograd_off(runtime):
-    """megatron sets TE's `preserve_high_precision_init_val` to torch.is_grad_enabled() when it
-    creates FP8/FP4 weights; every parameter of the build must see grad mode off."""
-    from torch.nn.modules.module import register_module_parameter_registration_hook
+class TELikeLinear(torch.nn.Module):
+    """What Transformer Engine does when it creates an FP8 weight (module/base.py
+    reset_parameters): with the preserve flag, which megatron sets to torch.is_grad_enabled(), it
+    attaches the weight's high-precision value and two accessors, then registers the weight."""
 
-    from ftcore.models.builder import build_model
+    made: list = []
 
-    grad_mode = []
-    handle = register_module_parameter_registration_hook(
-        lambda module, name, param: grad_mode.append(torch.is_grad_enabled())
-    )
-    try:
-        chunks = build_model(_cfg())
-    finally:
-        handle.remove()
-    assert len(grad_mode) >= sum(1 for c in chunks for _ in c.parameters())
-    assert not any(grad_mode)
-    assert all(p.requires_grad for c in chunks for p in c.parameters())  # still trainable
+    def __init__(self, n: int = 8):
+        super().__init__()
+        self.grad_mode = torch.is_grad_enabled()  # TE sets the column-wise usage from it too
+        # copies still held by the weights made before this one
+        self.live_before = sum(hasattr(m.weight, "_high_precision_init_val") for m in self.made)
+        param = torch.nn.Parameter(torch.empty(n, n))
+        if self.grad_mode:
+            from types import MethodType
+
+            def get(self):
+                return getattr(self, "_high_precision_init_val", None)
+
+            def clear(self):
+                if hasattr(self, "_high_precision_init_val"):
+                    del self._high_precision_init_val
+
+            param._high_precision_init_val = param.detach().cpu()
+            param.get_high_precision_init_val = MethodType(get, param)
+            param.clear_high_precision_init_val = MethodType(clear, param)
+        self.weight = param
+        self.made.append(self)
 
 
-def test_high_precision_init_copies_are_dropped():
-    """A parameter carrying TE's high-precision init value (TE attaches the value and its two
-    methods to the parameter) loses it in the build's clean-up, accessors included: megatron's
-    distributed optimizer takes the main weights from any parameter that has the getter."""
-    from types import MethodType
+def test_no_high_precision_copy_survives_the_build(runtime, monkeypatch):
+    """Weights made the way TE makes FP8 weights inside megatron's GPTModel: none keeps its copy
+    (nor the accessor megatron's distributed optimizer reads), at most one exists at a time, and
+    the build keeps megatron's grad mode (TE derives the weights' column-wise usage from it)."""
+    from megatron.core.models.gpt import GPTModel
 
-    from ftcore.models.builder import drop_high_precision_copies
+    from ftcore.models import builder
 
-    model = torch.nn.Linear(4, 4)
-    p = model.weight
-    p._high_precision_init_val = p.detach().cpu()
-    p.get_high_precision_init_val = MethodType(
-        lambda self: getattr(self, "_high_precision_init_val", None), p
-    )
-    p.clear_high_precision_init_val = MethodType(
-        lambda self: delattr(self, "_high_precision_init_val"), p
-    )
-    assert drop_high_precision_copies([model]) == 1
-    assert not hasattr(p, "_high_precision_init_val")
-    assert not hasattr(p, "get_high_precision_init_val")  # megatron's test for the copy
-    assert drop_high_precision_copies([model]) == 0
+    class GPTWithTEWeights(GPTModel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.te_like = torch.nn.ModuleList(TELikeLinear() for _ in range(3))
+
+    TELikeLinear.made.clear()
+    monkeypatch.setattr(builder, "GPTModel", GPTWithTEWeights)
+    chunks = builder.build_model(_cfg())
+    made = TELikeLinear.made
+    assert len(made) == 3 * len(chunks) and all(m.grad_mode for m in made)
+    assert max(m.live_before for m in made) == 0
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            assert not hasattr(p, "_high_precision_init_val"), name
+            assert not hasattr(p, "get_high_precision_init_val"), name
 
 
 # ------------------------------------------------------------------ random init (finding 5)
