@@ -74,6 +74,9 @@ class ModelConfig:
     init_std: float = 0.02
     # a safetensors base shipped in assets (tiny_lora's pretrained base)
     init_path: Optional[str] = None
+    # random init without hf_path/init_path: auto | layout_independent | sharded. auto = sharded
+    # (each rank draws its shard on its GPU; not layout-independent) on GPU from 1e9 params on
+    init_method: str = "auto"
 
 
 @dataclass

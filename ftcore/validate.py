@@ -13,6 +13,7 @@ from ftcore.planner.layers import split_layers
 
 CHOICES = {
     "parallel.recompute": ("none", "selective", "full"),
+    "model.init_method": ("auto", "layout_independent", "sharded"),
     "peft.name": ("none", "lora", "qlora"),
     "data.format": ("instruction", "chat", "text"),
     "data.truncate": ("right", "drop"),

@@ -1,6 +1,20 @@
-"""Build this rank's model: one megatron-core GPTModel per virtual pipeline stage."""
+"""Build this rank's model: one megatron-core GPTModel per virtual pipeline stage.
+
+No high-precision copy of an FP8/FP4 weight survives the build. megatron asks Transformer Engine
+to keep one whenever grad mode is on at build time (`preserve_high_precision_init_val=
+torch.is_grad_enabled()` in megatron's fp8_utils); TE then holds `param.detach().cpu()` per weight,
+and megatron frees it only for parameters its distributed optimizer owns. For a frozen base that is
+a BF16 host copy of every weight (~100 GB per rank for 405B); for a base loaded afterwards
+(model.hf_path) it is the random init, which the distributed optimizer would take as the fp32 main
+weights. Building under torch.no_grad() would avoid it, but TE also sets the weights' column-wise
+(transposed) usage from grad mode at that moment, and MXFP8/blockwise tensors cannot make their
+column-wise data later. So the build keeps megatron's grad mode and drops each copy the moment its
+parameter is registered (`init_copies_dropped`): one weight's copy at a time, none after.
+"""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 from megatron.core import parallel_state as ps
@@ -8,9 +22,10 @@ from megatron.core.models.gpt import GPTModel
 from omegaconf import DictConfig
 
 from ftcore import precision
+from ftcore.models import init as model_init
 from ftcore.models import target_logits
-from ftcore.models.init import init_weights
 from ftcore.models.llama import layer_spec, padded_vocab_size, transformer_config
+from ftcore.planner.params import init_method
 from ftcore.runtime import cpu
 
 
@@ -23,7 +38,7 @@ def build_model(cfg: DictConfig, *, vocab_size: int | None = None) -> list[GPTMo
     pp_rank = ps.get_pipeline_model_parallel_rank()
     rope = cfg.model.rope_scaling
     chunks = []
-    with cpu.device_mode():
+    with cpu.device_mode(), init_copies_dropped():  # (module docstring)
         for vp_stage in range(cfg.parallel.vp):
             chunk = GPTModel(
                 config=config,
@@ -50,12 +65,17 @@ def build_model(cfg: DictConfig, *, vocab_size: int | None = None) -> list[GPTMo
             elif chunk.post_process:
                 cpu.contiguous_output_grad(chunk.output_layer)
             chunks.append(chunk)
+    for chunk in chunks:  # a copy attached after its registration, should TE ever do that
+        for p in chunk.parameters():
+            drop_init_copy(p)
     from ftcore.models import rope
 
     rope.install(chunks, cfg.model)  # HF's inv_freq from all four llama3 rope_scaling fields
     if cfg.model.hf_path or cfg.model.init_path:
         return chunks  # every parameter is loaded next (ftcore.hf.io.load_weights)
-    init_weights(
+    init = init_method(cfg, on_gpu=not on_cpu)  # auto: sharded on GPU for large models
+    draw = model_init.init_shards if init == "sharded" else model_init.init_weights
+    draw(
         chunks,
         seed=cfg.run.seed,
         std=cfg.model.init_std,
@@ -65,6 +85,34 @@ def build_model(cfg: DictConfig, *, vocab_size: int | None = None) -> list[GPTMo
         tp_rank=ps.get_tensor_model_parallel_rank(),
     )
     return chunks
+
+
+def drop_init_copy(param: torch.Tensor) -> bool:
+    """Free the high-precision init copy Transformer Engine attaches to an FP8/FP4 parameter and
+    remove its accessors too: megatron's distributed optimizer takes the main weights from any
+    parameter that still has `get_high_precision_init_val`. True when there was a copy."""
+    if not hasattr(param, "get_high_precision_init_val"):
+        return False
+    had = param.get_high_precision_init_val() is not None
+    param.clear_high_precision_init_val()
+    del param.get_high_precision_init_val, param.clear_high_precision_init_val
+    return had
+
+
+@contextmanager
+def init_copies_dropped():
+    """While inside: every parameter registered on any module loses its high-precision init copy
+    as it is registered (TE attaches the copy just before it registers the quantized weight)."""
+    from torch.nn.modules.module import register_module_parameter_registration_hook
+
+    def on_registration(module, name, param) -> None:  # None: torch keeps the parameter
+        drop_init_copy(param)
+
+    handle = register_module_parameter_registration_hook(on_registration)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def wrap_ddp(cfg: DictConfig, chunks: list[GPTModel]):

@@ -49,7 +49,14 @@ class RMSNorm(torch.nn.Module):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        # created where megatron creates its own weights (use_cpu_initialization: the default
+        # device, e.g. the CPU runtime's or a dry build's meta; else this rank's GPU)
+        device = (
+            None if getattr(config, "use_cpu_initialization", True) else torch.cuda.current_device()
+        )
+        self.weight = torch.nn.Parameter(
+            torch.ones(hidden_size, dtype=config.params_dtype, device=device)
+        )
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -201,6 +201,14 @@ def _mark(p: nn.Parameter, *, sharded_dim: int | None, sp: bool) -> nn.Parameter
     return p
 
 
+def device_of(base: nn.Module) -> torch.device:
+    """Where the adapted layer's weights live. Adapters are created there: without the distributed
+    optimizer's buffer nothing moves them later, and a dry build keeps them on `meta`."""
+    for t in (*base.parameters(), *base.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
 class LoraParallelLinear(nn.Module):
     """A frozen megatron linear (`base_layer`) plus LoRA adapters on some of its slices.
 
@@ -230,14 +238,15 @@ class LoraParallelLinear(nn.Module):
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
         self._fused_layout = None
+        like = dict(device=device_of(base), dtype=dtype)  # the base's device, the model's dtype
         for s, key in slices.items():
             out, inp = geo.out_in(s)
             if key not in self.lora_A:
                 a_in = inp if self.column else inp // tp
-                self.lora_A[key] = _mark(nn.Parameter(torch.zeros(r, a_in, dtype=dtype)),
+                self.lora_A[key] = _mark(nn.Parameter(torch.zeros(r, a_in, **like)),
                                          sharded_dim=None if self.column else 1, sp=sp and self.column)  # fmt: skip
             b_out = out // tp if self.column else out
-            self.lora_B[s] = _mark(nn.Parameter(torch.zeros(b_out, r, dtype=dtype)),
+            self.lora_B[s] = _mark(nn.Parameter(torch.zeros(b_out, r, **like)),
                                    sharded_dim=0 if self.column else None, sp=sp and not self.column)  # fmt: skip
 
     def column_deltas(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -277,8 +286,9 @@ class LoraParallelLinear(nn.Module):
     def _layout(self) -> fused.Layout:
         """Where each B writes in the base output (built once; see peft/fused.py)."""
         if self._fused_layout is None:
-            out = self.base_layer.weight.shape[0]
-            idx = torch.arange(out)
+            w = self.base_layer.weight
+            out = w.shape[0]
+            idx = torch.arange(out, device=w.device)
             if self.column:
                 views = _column_views(self.module, idx, self.geo, self.tp)
                 rows = {s: views[s].reshape(-1) for s in self.lora_B}

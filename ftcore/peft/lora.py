@@ -35,8 +35,6 @@ from ftcore.peft.te_layers import lora_linear  # the TE variant over TE linears 
 
 log = logging.getLogger("ftcore")
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 def _generator(seed: int, name: str) -> torch.Generator:
     g = torch.Generator()
@@ -47,16 +45,21 @@ def _generator(seed: int, name: str) -> torch.Generator:
 @torch.no_grad()
 def init_adapters(chunks, seed: int) -> None:
     """A: PEFT's kaiming-uniform (bound 1/sqrt(full fan-in)) drawn as the full tensor from a
-    generator seeded by the global name, then sliced; B: zeros. Identical at any TP/PP."""
+    generator seeded by the global name, then sliced; B: zeros. Identical at any TP/PP.
+
+    The draw is on the CPU (its generator fixes the values; an A is r x in, small) and the shard is
+    copied into the parameter where it lives; a parameter on `meta` (a dry build) holds no values."""
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     for name, p in iter_params(chunks):
+        if p.is_meta:
+            continue
         if ".lora_A." in name:
             info = shard_info(name, p, tp)
             bound = 1.0 / math.sqrt(info.full_shape[1])
-            full = torch.empty(info.full_shape).uniform_(
+            full = torch.empty(info.full_shape, device="cpu").uniform_(
                 -bound, bound, generator=_generator(seed, name)
             )
-            p.copy_(take_shard(full, info, tp_rank, tp).to(p.dtype))
+            p.copy_(take_shard(full, info, tp_rank, tp).to(p.device, p.dtype))
         elif ".lora_B." in name:
             p.zero_()
 
@@ -75,7 +78,7 @@ def apply_peft(cfg: DictConfig, chunks: list) -> LoraSettings:
     geo = Geometry.of(config)
     tp = ps.get_tensor_model_parallel_world_size()
     sp = bool(config.sequence_parallel) and tp > 1
-    dtype = DTYPES[cfg.precision.params_dtype]
+    dtype = config.params_dtype  # the adapted layers' own dtype (their device: each base's)
     for chunk in chunks:
         for p in chunk.parameters():
             p.requires_grad_(False)

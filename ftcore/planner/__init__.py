@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
 from ftcore.planner import throughput as _throughput
-from ftcore.planner.memory import GiB, StageMemory, all_stages
+from ftcore.planner.memory import GiB, StageMemory, all_stages, host_bytes
 from ftcore.planner.view import view
 
 __all__ = ["check_fit", "plan", "gpus_needed"]
@@ -78,6 +78,12 @@ def _stage_json(s: StageMemory) -> dict:
 _COUNTS = ("layers_in_flight", "elements")
 
 
+def _host_gib(cfg, world: int) -> dict:
+    """Host memory per rank (memory.host_bytes), the most any pipeline stage needs, per phase."""
+    per_stage = [host_bytes(cfg, world, r) for r in range(cfg.parallel.pp)]
+    return {k: max(h[k] for h in per_stage) / GiB for k in per_stage[0]}
+
+
 def gpus_needed(cfg: DictConfig) -> int | None:
     """Fewest GPUs of this cluster type on which some layout fits (search over tp/pp/cp/dp)."""
     from ftcore.planner.search import smallest_fit
@@ -125,6 +131,7 @@ def plan(cfg: DictConfig, world_size: int | None = None) -> dict:
             "total": worst.total / GiB,
         },
         "worst_stage": worst.pp_rank,
+        "host_gib": _host_gib(cfg, world),
         "stages": [_stage_json(s) for s in stages],
         "fits": worst.total <= cap,
         "gpus_needed": gpus_needed(cfg),

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from ftcore.planner import activations as act
 from ftcore.planner.layers import split_layers
-from ftcore.planner.params import Param, rank_params
+from ftcore.planner.params import Param, init_method, linear_shapes, padded_vocab, rank_params
 from ftcore.planner.view import view
 
 GiB = 1024**3
@@ -231,3 +231,32 @@ def stage_memory(
 def all_stages(cfg: DictConfig, world: int, micro_batch: int | None = None) -> list[StageMemory]:
     cfg = view(cfg)
     return [stage_memory(cfg, world, r, micro_batch) for r in range(cfg.parallel.pp)]
+
+
+def host_bytes(cfg: DictConfig, world: int, pp_rank: int) -> dict[str, int]:
+    """Host (CPU) memory one rank of a pipeline stage needs beyond its process itself, by phase:
+    - init: a random base drawn layout-independently holds each full fp32 tensor on the CPU (the
+      largest; the vocab's twice: the real rows and the padded copy). A sharded init
+      (models/init.py) draws on the GPU and a loaded base (hf_path/init_path) is not drawn: 0.
+    - checkpoint: an async save (GPU) stages what the rank saves in host memory: its trainable
+      weights and optimizer state (with PEFT only the adapters are saved).
+    FP8/FP4 weights leave no high-precision copy on the host (models/builder.py drops each as it
+    is made: one weight's at a time), so neither term grows with a frozen base."""
+    cfg = view(cfg)
+    m, p = cfg.model, cfg.parallel
+    on_gpu = cfg.cluster.device != "cpu"
+    init = 0
+    if not (m.hf_path or m.init_path) and init_method(cfg, on_gpu=on_gpu) == "layout_independent":
+        kinds = {q.kind for chunk in rank_params(cfg, pp_rank) for q in chunk}
+        largest = max(o * i for o, i in linear_shapes(m, 1).values()) if "linear" in kinds else 0
+        if kinds & {"embedding", "output"}:
+            largest = max(
+                largest, (m.vocab_size + padded_vocab(m.vocab_size, p.tp)) * m.hidden_size
+            )
+        init = 4 * largest
+    checkpoint = 0
+    if on_gpu and cfg.checkpoint.async_save:
+        dp = max(world // (p.tp * p.pp * p.cp), 1)
+        state = model_state(cfg, pp_rank, dp * p.cp)
+        checkpoint = state["trainable"] + state["optimizer"]
+    return {"init": init, "checkpoint": checkpoint, "peak": max(init, checkpoint)}
