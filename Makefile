@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 EXP ?= tiny_lora
 PYTEST_ARGS ?=
 
-.PHONY: setup train test test-fast lint format bench clean
+.PHONY: setup train test test-fast lint format bench clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -38,6 +38,17 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m ftcore.bench +bench=layouts_cpu
+
+# GPU machine: the machine's own python3 and CUDA torch (no .venv, no torch pin); missing packages
+# come from .whl/ offline. Without CUDA it exits 2 at once. Report: docs/gpu/<date>-<gpu>.md.
+GPU_PY ?= python3
+WHEELS ?= .whl
+gpu-check:
+	$(GPU_PY) tools/gpu_check.py --wheels $(WHEELS)
+
+# Networked machine: `make gpu-wheels PY=3.12` downloads those wheels for that Python into .whl/.
+gpu-wheels:
+	$(if $(filter 3.%,$(PY)),python3,$(PY)) tools/gpu_wheels.py --python $(if $(filter 3.%,$(PY)),$(PY),3.12) --dest $(WHEELS)
 
 clean:
 	rm -rf outputs .pytest_cache
