@@ -25,8 +25,8 @@ def fp8_state(model) -> dict:
                 continue
             out["te_modules"] += 1
             out["fp8_modules"] += int(bool(getattr(m, "fp8", False)))
-            recipe = type(m.fp8_meta.get("recipe")).__name__
-            if recipe not in out["recipes"]:
+            recipe = type(m.fp8_meta.get("recipe")).__name__ if m.fp8_meta.get("recipe") else None
+            if recipe and recipe not in out["recipes"]:
                 out["recipes"].append(recipe)
             st = m.fp8_meta.get("scaling_fwd")
             hist, scale = getattr(st, "amax_history", None), getattr(st, "scale", None)
