@@ -114,13 +114,11 @@ def throughput() -> dict:
     plan = subprocess.run([sys.executable, "-m", "ftcore.plan", *TPUT, "plan.format=json"],
                           cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     (WORK / "plan.json").write_text(plan.stdout + plan.stderr)
-    out["predicted"] = _find_number(plan.stdout, "tokens_per_s_per_gpu")
+    try:
+        out["predicted"] = json.loads(plan.stdout)["tokens_per_s_per_gpu"]
+    except (ValueError, KeyError):
+        out["predicted"] = None
     return out
-
-
-def _find_number(text: str, key: str):
-    m = re.search(rf'"{key}"\s*:\s*([0-9.eE+-]+)', text)
-    return float(m.group(1)) if m else None
 
 
 def versions() -> dict[str, str]:

@@ -7,6 +7,7 @@ device. A config validation refuses on CUDA (tests/gpu once ran packing with mic
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,16 @@ def test_every_gpu_test_run_validates_on_its_target(name):
     cfg = compose(case.overrides())
     assert cfg.cluster.device == "cuda", "a GPU test must target a CUDA cluster"
     check_on_target(cfg, case.gpus)
+
+
+def test_gpu_check_throughput_run_validates_on_an_h100():
+    """`make gpu-check`'s 8B-shaped LoRA run (tools/gpu_check.py TPUT) is a valid 1-GPU job."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    cfg = compose(gpu_check.TPUT)
+    assert cfg.cluster.name == "h100" and cfg.model.hf_path is None  # random base
+    check_on_target(cfg, 1)
 
 
 def test_the_check_refuses_what_cuda_refuses():
