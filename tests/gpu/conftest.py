@@ -50,6 +50,8 @@ def need_runs(name: str) -> None:
     try:
         precision.check_hardware(compose(case.overrides()))
     except FtcoreError as e:
+        if e.field == "gpu.require_te":
+            pytest.fail(str(e))
         pytest.skip(f"NOT RUN: {name} does not run on this GPU: {e}")
 
 
