@@ -41,3 +41,34 @@ def test_gpu_check_script_exit_code_is_2():
                        text=True, timeout=120)  # fmt: skip
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("gpu-check: no CUDA device")
+
+
+def test_gpu_wheels_keeps_only_what_the_bare_image_lacks():
+    """The wheel list is ftcore's closure minus torch/transformers/peft's, markers evaluated for
+    the target Python (a dependency for old Pythons only is not followed)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_wheels", ROOT / "tools" / "gpu_wheels.py")
+    gw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gw)
+
+    def item(name, *requires):
+        return {"metadata": {"name": name, "version": "1", "requires_dist": list(requires)}}
+
+    items = {i["metadata"]["name"]: i for i in [
+        item("torch", "numpy", "typing-extensions"), item("transformers", "numpy", "pyyaml"),
+        item("peft", "torch", "transformers"), item("numpy"), item("pyyaml"),
+        item("typing-extensions"), item("antlr4-python3-runtime"),
+        item("megatron-core", "torch>=2.6", "numpy", "packaging"), item("packaging"),
+        item("hydra-core", "omegaconf", "importlib-resources; python_version < '3.9'"),
+        item("omegaconf", "antlr4-python3-runtime==4.9.*", "pyyaml"), item("importlib-resources"),
+    ]}  # fmt: skip
+    bare = gw.closure(gw.BARE, items, "3.12")
+    wanted = gw.closure(["megatron-core", "hydra-core"], items, "3.12") - bare
+    assert wanted == {
+        "megatron-core",
+        "packaging",
+        "hydra-core",
+        "omegaconf",
+        "antlr4-python3-runtime",
+    }
