@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 EXP ?= tiny_lora
 PYTEST_ARGS ?=
 
-.PHONY: setup train test test-fast lint format bench clean
+.PHONY: setup train test test-fast lint format bench clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -29,15 +29,27 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check ftcore tests launch
-	$(BIN)/ruff format --check ftcore tests launch
+	$(BIN)/ruff check ftcore tests launch tools
+	$(BIN)/ruff format --check ftcore tests launch tools
 
 format: $(STAMP)
-	$(BIN)/ruff format ftcore tests launch
-	$(BIN)/ruff check --fix ftcore tests launch
+	$(BIN)/ruff format ftcore tests launch tools
+	$(BIN)/ruff check --fix ftcore tests launch tools
 
 bench: $(STAMP)
 	$(BIN)/python -m ftcore.bench +bench=layouts_cpu
+
+# GPU machine: the machine's own python3 and CUDA torch (no .venv, no torch pin); missing packages
+# come from .whl/ offline. Without CUDA it exits 2 at once. Report: docs/gpu/<date>-<gpu>.md.
+GPU_PY ?= python3
+WHEELS ?= .whl
+gpu-check:
+	@$(GPU_PY) tools/gpu_check.py --wheels $(WHEELS)
+
+# Networked machine: `make gpu-wheels PY=3.12` downloads those wheels for that Python into .whl/
+# (pinned to the versions of .venv when it exists: the CPU-tested ones).
+gpu-wheels:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,python3) tools/gpu_wheels.py --python $(if $(filter 3.%,$(PY)),$(PY),3.12) --dest $(WHEELS)
 
 clean:
 	rm -rf outputs .pytest_cache

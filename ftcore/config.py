@@ -227,6 +227,14 @@ class ClusterConfig:
 
 
 @dataclass
+class GpuConfig:
+    # Transformer Engine must be present on a CUDA machine: its absence fails the run's hardware
+    # check and the GPU tests (instead of falling back to megatron's local layers / NOT RUN).
+    # Default: the environment variable FTCORE_GPU_REQUIRE_TE (ftcore's Dockerfile sets it to 1).
+    require_te: bool = "${oc.decode:${oc.env:FTCORE_GPU_REQUIRE_TE,false}}"  # type: ignore[assignment]
+
+
+@dataclass
 class PlanConfig:
     format: str = "table"  # table | json
     search: bool = False
@@ -287,6 +295,7 @@ class FtcoreConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)

@@ -305,41 +305,71 @@ def fallback(cc: Optional[float], exclude: str, cuda: Optional[float] = None) ->
     return "bf16"
 
 
-def check_hardware(cfg: DictConfig) -> None:
-    """Refuse a precision this machine cannot run, naming what it needs and what would run instead."""
+@dataclass(frozen=True)
+class Device:
+    """What the hardware check knows of the machine a run starts on. `this_device()` probes it;
+    tests build one for a target GPU (`simulated_device`) to run the very same check on CPU."""
+
+    cuda: bool  # a CUDA device is visible
+    cc: Optional[float] = None  # compute capability
+    cuda_version: Optional[float] = None  # the CUDA toolkit torch was built with
+    te_version: Optional[str] = None  # installed Transformer Engine, None when absent
+    ask_te: bool = True  # also ask TE itself (is_fp8_available, ...): only a real TE can answer
+
+
+def this_device() -> Device:
+    cuda = torch.cuda.is_available()
+    return Device(cuda, _capability() if cuda else None, _cuda_version(), te_version())
+
+
+def simulated_device(cfg: DictConfig, te: Optional[str], cuda_version: Optional[float]) -> Device:
+    """The target GPU of `cfg.cluster` (its compute capability) with the given TE and CUDA
+    versions, for tests on CPU. TE's own run-time probe is skipped: it needs the real device."""
+    cc = cfg.cluster.compute_capability
+    return Device(
+        cfg.cluster.device == "cuda" and cc is not None, cc, cuda_version, te, ask_te=False
+    )
+
+
+def check_hardware(cfg: DictConfig, device: Optional[Device] = None) -> None:
+    """Refuse a precision this machine (or the given `device`) cannot run, naming what it needs
+    and what would run instead."""
     check_config(cfg)
+    dev = device or this_device()
     p, name = cfg.precision, recipe_name(cfg)
     if name is not None and cfg.peft.name == "qlora":
         raise FtcoreError(f"QLoRA keeps the frozen base in NF4 (bitsandbytes), so its GEMMs cannot also be "
                           f"{RECIPES[name].kind.upper()}", field="precision",
                           fix=f"use peft=lora with precision={p.name}, or peft=qlora with precision=bf16")  # fmt: skip
-    on_cuda = runs_on_cuda(cfg)
+    on_cuda = dev.cuda and cfg.cluster.device != "cpu"
+    if on_cuda and cfg.gpu.require_te and cfg.peft.name != "qlora" and p.te_layers:
+        _require(dev.te_version is not None, "gpu.require_te=true (ftcore's container sets it) but "
+                 "Transformer Engine is not installed or cannot load here", "gpu.require_te",
+                 "repair the image's transformer-engine, or set gpu.require_te=false to run "
+                 "megatron's local layers")  # fmt: skip
     if name is None:
         if on_cuda and p.params_dtype == "bf16":
-            _require(_capability() >= 8.0, f"BF16 needs compute capability >= 8.0; this GPU has "
-                     f"{_capability():.1f}", "precision", "use precision=fp32")  # fmt: skip
+            _require(dev.cc >= 8.0, f"BF16 needs compute capability >= 8.0; this GPU has "
+                     f"{dev.cc:.1f}", "precision", "use precision=fp32")  # fmt: skip
         return
     info = RECIPES[name]
     if not on_cuda:
-        where = (
-            "no CUDA device is visible"
-            if not torch.cuda.is_available()
-            else "cluster.device=cpu runs it on CPU"
-        )
+        where = "no CUDA device is visible" if not dev.cuda else "cluster.device=cpu runs it on CPU"
         raise FtcoreError(f"{p.name} runs its GEMMs in {info.kind.upper()} (Transformer Engine {info.te_class}) "
                           f"and needs a CUDA GPU of {info.hardware}, but {where}", field="precision",
                           fix=f"on CPU use precision=bf16 or precision=fp32 (ftcore.plan still plans {p.name} jobs)")  # fmt: skip
-    cc, cuda = _capability(), _cuda_version()
+    cc, cuda = dev.cc, dev.cuda_version
     instead = f"use precision={fallback(cc, p.name, cuda)} on this GPU"
     ok, why = supported_on(name, cc, cuda)
     _require(ok, f"{p.name} {why}", "precision", instead)
-    version = te_version()
+    version = dev.te_version
     _require(version is not None, f"{p.name} needs Transformer Engine, which is not installed", "precision",
              "pip install 'ftcore[gpu]' (or use the NGC PyTorch image), or precision=bf16")  # fmt: skip
     _require(not _older(version, info.min_te), f"{p.name} ({info.te_class}) needs Transformer Engine >= "
              f"{info.min_te}; {version} is installed", "precision", f"upgrade transformer-engine, or {instead}")  # fmt: skip
-    ok, why = te_supports(name)
-    _require(ok, f"{p.name}: Transformer Engine says {why}", "precision", instead)
+    if dev.ask_te:
+        ok, why = te_supports(name)
+        _require(ok, f"{p.name}: Transformer Engine says {why}", "precision", instead)
 
 
 def check_merge(cfg: DictConfig) -> None:

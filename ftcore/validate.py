@@ -133,8 +133,9 @@ def check_for_launch(cfg: DictConfig, world: int, *, training: bool = True) -> i
     return validate(checked, world, training=training)
 
 
-def validate(cfg: DictConfig, launched: int, *, training: bool = True) -> int:
-    """Run every check in the pinned order; returns the data-parallel size."""
+def validate(cfg: DictConfig, launched: int, *, training: bool = True, device=None) -> int:
+    """Run every check in the pinned order; returns the data-parallel size. `device`
+    (precision.Device) stands in for this machine's GPU: tests check a target GPU on CPU."""
     from ftcore import planner, precision
 
     check_choices(cfg)
@@ -143,7 +144,7 @@ def validate(cfg: DictConfig, launched: int, *, training: bool = True) -> int:
 
     check_peft(cfg)  # targets, rank, QLoRA x FP8/FP4, an adapter_path that fits the model
     if training:
-        precision.check_hardware(cfg)
+        precision.check_hardware(cfg, device)
     world = world_size_of(cfg, launched)
     if training:
         planner.check_fit(cfg, world)

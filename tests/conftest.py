@@ -16,7 +16,7 @@ def pytest_collection_modifyitems(config, items):
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip = pytest.mark.skip(reason="NOT RUN: no CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -1,0 +1,125 @@
+"""Every run tests/gpu makes, as data: the GPU tests run them, and a CPU test
+(tests/unit/test_gpu_targets.py) checks each passes ftcore's validation on its target GPU, so a test
+that validation would refuse on CUDA (packing with micro-batch 4 did) cannot come back.
+
+Importable without CUDA, Transformer Engine or megatron-core."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STEPS = 30
+# The tiny model, unpacked rows (packing on CUDA needs micro-batch 1), 30 steps, nothing saved.
+BASE = (
+    "+exp=tiny_full",
+    "cluster.num_gpus=null",
+    "data.packing=false",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=16",
+    "data.seq_len=128",
+    f"train.max_steps={STEPS}",
+    "eval.interval=0",
+    "checkpoint.interval=0",
+    "checkpoint.save_at_end=false",
+    "logger.progress=lines",
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    extra: tuple[str, ...]
+    gpus: int = 1
+    te: bool = False  # needs Transformer Engine (NOT RUN without it, a failure with gpu.require_te)
+    cluster: str = "h100"  # the GPU it targets (conf/cluster): its compute capability is checked
+
+    def overrides(self) -> list[str]:
+        return [*BASE, f"cluster={self.cluster}", *self.extra]
+
+
+def _c(name, *extra, **kw) -> Case:
+    return Case(name, tuple(extra), **kw)
+
+
+CASES: dict[str, Case] = {
+    c.name: c
+    for c in [
+        # precision: the BF16 references and each FP8/FP4 recipe on the GPU that runs it
+        _c("bf16_local", "precision=bf16", "precision.te_layers=false"),
+        _c("fp32_local", "precision=fp32", "precision.te_layers=false"),
+        _c("bf16_te", "precision=bf16", te=True),
+        _c("fp8_delayed", "precision=fp8_delayed", te=True),
+        _c("fp8_cs", "precision=fp8_cs", te=True),
+        _c("fp8_blockwise", "precision=fp8_blockwise", te=True),
+        _c("mxfp8", "precision=mxfp8", te=True, cluster="b200"),
+        _c(
+            "nvfp4",
+            "precision=nvfp4",
+            "precision.first_last_bf16_layers=1",
+            te=True,
+            cluster="b200",
+        ),
+        # adapters: LoRA with the distributed optimizer off (finding 2), on an FP8 base, QLoRA
+        _c(
+            "lora_local",
+            "peft=lora",
+            "precision=bf16",
+            "precision.te_layers=false",
+            "parallel.distributed_optimizer=false",
+        ),  # fmt: skip
+        _c(
+            "lora_te",
+            "peft=lora",
+            "precision=bf16",
+            "parallel.distributed_optimizer=false",
+            te=True,
+        ),
+        _c(
+            "lora_fp8_cs",
+            "peft=lora",
+            "precision=fp8_cs",
+            "parallel.distributed_optimizer=false",
+            te=True,
+        ),  # fmt: skip
+        _c("qlora", "peft=qlora", "precision=bf16", "parallel.distributed_optimizer=false"),
+        # FP8 weights loaded from a HF checkpoint (model.hf_path is added by the test; same shapes)
+        _c("hf_bf16", "precision=bf16", "parallel.distributed_optimizer=true", te=True),
+        _c(
+            "hf_fp8_param_gather",
+            "precision=fp8_cs",
+            "precision.fp8_param_gather=true",
+            "parallel.distributed_optimizer=true",
+            te=True,
+        ),  # fmt: skip
+        # async checkpoint then resume
+        _c(
+            "ckpt",
+            "precision=bf16",
+            "precision.te_layers=false",
+            "train.max_steps=10",
+            "checkpoint.interval=5",
+            "checkpoint.async_save=true",
+        ),  # fmt: skip
+        # packed (THD, one row per micro-batch) and the same documents unpacked
+        _c(
+            "packed_local",
+            "precision=bf16",
+            "precision.te_layers=false",
+            "data.packing=true",
+            "train.micro_batch_size=1",
+        ),  # fmt: skip
+        _c("packed_te", "precision=bf16", "data.packing=true", "train.micro_batch_size=1", te=True),
+        # layouts on 2 GPUs, each compared with the 1-GPU run of the same precision
+        _c(
+            "tp2_sp",
+            "precision=fp32",
+            "precision.te_layers=false",
+            "parallel.tp=2",
+            "parallel.sp=true",
+            gpus=2,
+        ),  # fmt: skip
+        _c("tp2_sp_te", "precision=bf16", "parallel.tp=2", "parallel.sp=true", gpus=2, te=True),
+        _c("pp2", "precision=fp32", "precision.te_layers=false", "parallel.pp=2", gpus=2),
+        _c("dp2", "precision=fp32", "precision.te_layers=false", gpus=2),
+    ]
+}

@@ -1,0 +1,123 @@
+"""One GPU test run in its own process (alone or under torchrun): `python -m tests.gpu.worker
+MODE OUT overrides...`. Rank 0 writes OUT: a JSON for `train` (per-step losses from metrics.jsonl
+and what Transformer Engine's FP8 state says), a tensor file for `logits` (the full-vocabulary
+logits of fixed tokens right after loading, before any step)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def fp8_state(model) -> dict:
+    """What TE's modules hold after training: how many ran in FP8, their recipes, and for delayed
+    scaling whether the amax histories and scales moved off their initial zeros/ones."""
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    out = {"te_modules": 0, "fp8_modules": 0, "recipes": [], "amax_nonzero": 0, "scale_changed": 0}
+    for chunk in model:
+        for m in chunk.modules():
+            if not isinstance(m, TransformerEngineBaseModule):
+                continue
+            out["te_modules"] += 1
+            out["fp8_modules"] += int(bool(getattr(m, "fp8", False)))
+            recipe = type(m.fp8_meta.get("recipe")).__name__ if m.fp8_meta.get("recipe") else None
+            if recipe and recipe not in out["recipes"]:
+                out["recipes"].append(recipe)
+            st = m.fp8_meta.get("scaling_fwd")
+            hist, scale = getattr(st, "amax_history", None), getattr(st, "scale", None)
+            out["amax_nonzero"] += int(hist is not None and bool(hist.abs().sum() > 0))
+            out["scale_changed"] += int(scale is not None and bool((scale != 1).any()))
+    return out
+
+
+class _JobEnded(Exception):
+    pass
+
+
+def _end_job(state) -> None:
+    """After step K's (async) save was started: let it finish and publish, then stop the run."""
+    from ftcore import checkpoint
+
+    checkpoint.wait(state)
+    raise _JobEnded
+
+
+LENGTHS = [60, 20, 33, 7, 90, 41, 12, 25]  # documents of one global batch; FFD packs them in 128
+
+
+def packed_vs_unpacked(cfg) -> dict:
+    """One forward/backward of the same documents: packed into THD rows (micro-batch 1) and one
+    document per row (micro-batch 1, padded): loss sums and target counts of each."""
+    import numpy as np
+
+    from ftcore import trainer
+    from ftcore.data.packing import first_fit_decreasing, make_microbatch
+    from ftcore.data.templates import Doc
+
+    state = trainer.setup(cfg, data=False)
+    r = np.random.default_rng(0)
+    vocab, seq = cfg.model.vocab_size, cfg.data.seq_len
+    docs = [Doc(r.integers(0, vocab - 1, n).astype(np.int32), r.random(n) < 0.7) for n in LENGTHS]
+    packed = [make_microbatch([[docs[i] for i in b]], seq, vocab - 1)
+              for b in first_fit_decreasing(LENGTHS, seq)]  # fmt: skip
+    unpacked = [make_microbatch([[d]], seq, vocab - 1) for d in docs]
+    out = {}
+    for name, mbs in (("packed", packed), ("unpacked", unpacked)):
+        loss_sum, n = trainer.run_batches(state, mbs, forward_only=True)
+        out[name] = {"loss": loss_sum / n, "targets": n, "rows": len(mbs)}
+    return out
+
+
+def main(mode: str, out: str, overrides: list[str]) -> None:
+    from ftcore import trainer
+    from ftcore.config import compose
+    from ftcore.runtime import dist
+
+    cfg = compose(overrides)
+    if os.environ.get("FTCORE_GPU_DETERMINISTIC") == "1":  # bitwise comparisons (resume)
+        torch.use_deterministic_algorithms(True)
+    try:
+        if mode == "train":
+            state = trainer.setup(cfg)
+            stop_after = int(os.environ.get("FTCORE_GPU_STOP_AFTER", "0"))
+            if stop_after:  # end the job there, as a time limit would: the config is unchanged
+                state.after_step.append(lambda st: _end_job(st) if st.step == stop_after else None)
+            try:
+                trainer.fit(state)
+            except _JobEnded:
+                pass
+            if state.info.rank == 0:
+                lines = (state.run_dir / "metrics.jsonl").read_text().splitlines()
+                losses = [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+                from ftcore import precision
+
+                fp8 = fp8_state(state.model) if precision.use_te(state.cfg) else None
+                Path(out).write_text(json.dumps({"losses": losses, "fp8": fp8}))
+        elif mode == "logits":
+            state = trainer.setup(cfg, data=False)
+            from ftcore.data.pipeline import attention_mask_from_segments
+
+            device = state.info.device
+            g = torch.Generator().manual_seed(0)
+            tokens = torch.randint(0, cfg.model.vocab_size, (2, 64), generator=g)
+            pos = torch.arange(64).unsqueeze(0).expand_as(tokens)
+            mask = attention_mask_from_segments(torch.ones_like(tokens, dtype=torch.int32))
+            with torch.no_grad():
+                logits = state.model[0](tokens.to(device), pos.to(device), mask.to(device))
+            if state.info.rank == 0:
+                torch.save(logits.float().cpu(), out)
+        elif mode == "packing":
+            Path(out).write_text(json.dumps(packed_vs_unpacked(cfg)))
+        else:
+            raise SystemExit(f"unknown mode {mode}")
+    finally:
+        dist.teardown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])

@@ -1,0 +1,193 @@
+"""`make gpu-check`: on a CUDA machine, run the GPU tests and a short 8B-shaped LoRA throughput run,
+and write docs/gpu/<date>-<gpu>.md (what passed, what did NOT RUN and why, tokens/s/GPU measured
+next to the planner's prediction, the versions of everything that matters).
+
+It uses the machine's own Python and CUDA torch (never the CPU pins of `make setup`). Packages that
+are missing are installed offline from a wheel folder (`make gpu-wheels PY=3.12` fills it on a
+networked machine). Without CUDA it exits 2 with one line, before installing or writing anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "build" / "gpu-check"
+# The throughput run: Llama 3 8B shapes (4 of its 32 layers), random base, LoRA on every linear.
+TPUT = ["+exp=8b_lora", "model.num_layers=4", "cluster.num_gpus=null", "data.format=instruction",
+        "train.global_batch_size=8", "train.max_steps=12", "eval.interval=0",
+        "checkpoint.interval=0", "checkpoint.save_at_end=false", "logger.progress=lines"]  # fmt: skip
+WARMUP = 4  # steps left out of the measured median
+
+
+def cuda_or_exit() -> None:
+    """The first thing done: no CUDA -> one line, exit 2."""
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        print(
+            f"gpu-check: torch does not import here ({e}); run it on a CUDA machine",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    if not torch.cuda.is_available():
+        print(f"gpu-check: no CUDA device here (torch {torch.__version__}, CUDA build "
+              f"{torch.version.cuda}); run it on a GPU machine", file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+
+
+def missing_wheels(wheels: Path) -> list[Path]:
+    """The wheels in the folder whose package is not installed."""
+    out = []
+    for whl in sorted(wheels.glob("*.whl")):
+        name = whl.name.split("-")[0]
+        try:
+            metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out.append(whl)
+    return out
+
+
+def install(wheels: Path) -> list[str]:
+    """Offline installs: missing packages from the wheel folder, then ftcore itself (editable)."""
+    done = []
+    todo = missing_wheels(wheels) if wheels.is_dir() else []
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
+    if todo:
+        subprocess.run([*pip, *map(str, todo)], check=True)
+        done += [w.name for w in todo]
+    try:
+        import ftcore.conf  # noqa: F401
+    except ImportError:
+        subprocess.run([*pip, "--no-build-isolation", "-e", str(ROOT)], check=True)
+        done.append("ftcore (editable)")
+    return done
+
+
+def run_tests(junit: Path) -> tuple[list[tuple[str, str, str]], str]:
+    """pytest -m gpu tests/gpu -> [(test, outcome, reason)], and pytest's last line."""
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-rs",
+           "-p", "no:cacheprovider", f"--junitxml={junit}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    (WORK / "pytest.log").write_text(proc.stdout + proc.stderr)
+    rows = []
+    if junit.exists():
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
+            outcome, reason = "passed", ""
+            for tag in ("failure", "error", "skipped"):
+                el = case.find(tag)
+                if el is not None:
+                    outcome = {"skipped": "NOT RUN"}.get(tag, "FAILED")
+                    reason = (
+                        (el.get("message") or "").splitlines()[0][:200] if el.get("message") else ""
+                    )
+            rows.append((name, outcome, reason))
+    last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    return rows, last
+
+
+def throughput() -> dict:
+    """The short 8B-shaped LoRA run: median measured tokens/s/GPU and the planner's prediction."""
+    run_dir = WORK / "tput"
+    cmd = [sys.executable, "-m", "ftcore.train", *TPUT, f"run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    (WORK / "tput.log").write_text(proc.stdout + proc.stderr)
+    out: dict = {"overrides": " ".join(TPUT), "rc": proc.returncode}
+    metrics = run_dir / "metrics.jsonl"
+    if proc.returncode == 0 and metrics.exists():
+        rates = [r["tokens_per_s_per_gpu"] for r in map(json.loads, metrics.read_text().split("\n")[:-1])
+                 if "tokens_per_s_per_gpu" in r][WARMUP:]  # fmt: skip
+        if rates:
+            out["measured"] = sorted(rates)[len(rates) // 2]
+    else:
+        out["error"] = (proc.stderr.strip().splitlines() or ["?"])[-1][:300]
+    plan = subprocess.run([sys.executable, "-m", "ftcore.plan", *TPUT, "plan.format=json"],
+                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    (WORK / "plan.json").write_text(plan.stdout + plan.stderr)
+    try:
+        out["predicted"] = json.loads(plan.stdout)["tokens_per_s_per_gpu"]
+    except (ValueError, KeyError):
+        out["predicted"] = None
+    return out
+
+
+def versions() -> dict[str, str]:
+    import torch
+
+    def ver(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    te = next((v for v in map(ver, ("transformer_engine", "transformer-engine")) if v != "not installed"),
+              "not installed")  # fmt: skip
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "CUDA (torch build)": str(torch.version.cuda), "transformer-engine": te,
+            "megatron-core": ver("megatron-core"), "transformers": ver("transformers"),
+            "peft": ver("peft"), "bitsandbytes": ver("bitsandbytes")}  # fmt: skip
+
+
+def report(gpu: str, installed, rows, last, tput, vers) -> str:
+    today = datetime.date.today().isoformat()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "?"  # fmt: skip
+    lines = [f"# make gpu-check, {today}, {gpu}", "", f"Commit {commit}. Installed offline for this "
+             f"run: {', '.join(installed) or 'nothing'}.", "", "## Versions", ""]  # fmt: skip
+    lines += [f"- {k}: {v}" for k, v in vers.items()]
+    lines += ["", f"## GPU tests (`pytest -m gpu tests/gpu`): {last}", "", "| test | result | why |",
+              "|---|---|---|"]  # fmt: skip
+    lines += [f"| {n} | {o} | {r.replace('|', '/')} |" for n, o, r in rows]
+    pred, meas = tput.get("predicted"), tput.get("measured")
+    lines += [
+        "",
+        "## Throughput (8B-shaped LoRA, random base)",
+        "",
+        f"`python -m ftcore.train {tput['overrides']}`",
+        "",
+    ]
+    if meas is None:
+        lines.append(f"Did not finish (exit {tput['rc']}): {tput.get('error', 'no metrics')}")
+    else:
+        ratio = f" ({meas / pred:.2f} x the prediction)" if pred else ""
+        lines.append(f"- measured: {meas:,.0f} tokens/s/GPU (median of steps {WARMUP + 1}+){ratio}")
+    lines.append(f"- planner predicted: {f'{pred:,.0f}' if pred else 'n/a'} tokens/s/GPU")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--wheels", default=str(ROOT / ".whl"), help="offline wheel folder")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "gpu"))
+    args = ap.parse_args()
+    cuda_or_exit()  # before anything is installed or written
+    import torch
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    installed = install(Path(args.wheels))
+    rows, last = run_tests(WORK / "junit.xml")
+    tput = throughput()
+    gpu = torch.cuda.get_device_name(0)
+    text = report(gpu, installed, rows, last, tput, versions())
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    out = Path(args.out) / f"{datetime.date.today().isoformat()}-{slug}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
+    print(f"gpu-check: wrote {out}")
+    failed = any(o == "FAILED" for _, o, _ in rows) or "measured" not in tput
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
