@@ -78,10 +78,11 @@ class CudaOnCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to:
             args = tuple(_target if i > 0 and _is_cuda_device(a) else a for i, a in enumerate(args))
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            t = func(*args)  # e.g. torch.FloatTensor (CPU), torch.meta.FloatTensor
-            if t.startswith(f"torch.{_target}.") or (_target == "cpu" and ".cuda." not in t):
-                return "torch.cuda." + t.split(".")[-1]  # what this tensor stands in for
-            return t
+            t = func(*args)
+            if _target == "cpu":
+                return t.replace("torch.", "torch.cuda.", 1) if ".cuda." not in t else t
+            # a dry build: a meta tensor stands in for a CUDA one, a CPU tensor stays a CPU one
+            return t.replace("torch.meta.", "torch.cuda.", 1)
         return func(*args, **kwargs)
 
 

@@ -155,3 +155,20 @@ def test_table_shows_each_stage():
     lines = table(p).splitlines()
     i = next(i for i, line in enumerate(lines) if line.startswith("dry build"))
     assert "pp stage 0" in lines[i + 1] and "5 planned" in lines[i + 1] and "a.b" in lines[i + 1]
+
+
+def test_meta_device_sends_cuda_to_meta_and_leaves_deviceless_tensors_on_the_cpu():
+    from ftcore.runtime import cpu
+
+    with cpu.meta_device(), cpu.device_mode():
+        assert not cpu.is_active()  # ftcore builds as on a GPU
+        assert torch.empty(3, device="cuda").is_meta
+        assert torch.empty(3, device=torch.cuda.current_device()).is_meta
+        assert torch.zeros(3).cuda().is_meta and torch.zeros(3).to("cuda").is_meta
+        assert torch.zeros(3).device.type == "cpu"  # what the dry build reports
+        assert torch.empty(3, device="cuda").type() == "torch.cuda.FloatTensor"
+        assert torch.zeros(3).type() == "torch.FloatTensor"
+    with cpu.device_mode():  # the CPU runtime as before
+        assert cpu.is_active()
+        assert torch.empty(3, device="cuda").device.type == "cpu"
+        assert torch.zeros(3).type() == "torch.cuda.FloatTensor"
