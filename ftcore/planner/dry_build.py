@@ -10,10 +10,14 @@ forward crashes on the cluster. Here the same build code runs with "cuda" meanin
 How: a fake process group of the job's world size (torch's FakeProcessGroup: collectives do
 nothing) lets this process stand in for global rank `pp_rank * world / pp` (TP, CP and DP rank 0,
 megatron's rank order tp-cp-ep-dp-pp); megatron's parallel state is built over it without its gloo
-side groups. Then ftcore's own `build_model` (no init: meta has no values), `apply_peft` and
-`wrap_ddp`, as `ftcore.trainer.setup` calls them, with the configured distributed optimizer.
-Without Transformer Engine the build uses the local layer spec (FP8/FP4 weights are then counted
-as the elements they are); QLoRA's NF4 weights count their logical elements.
+side groups. Then ftcore's own `build_model` (no init: meta has no values), `apply_peft`,
+`wrap_ddp` and `build_optimizer`, as `ftcore.trainer.setup` calls them, with the configured
+distributed optimizer. What is off the device is named as the model was built, before DDP (whose
+buffer would move a straggler onto the GPU when the distributed optimizer is on, and which cannot
+move it from the CPU to meta), then moved to meta so that DDP and the optimizer are still built
+and checked. Without Transformer Engine the build uses the local layer spec (FP8/FP4 weights are
+then counted as the elements they are; a CP layout is built as its DP equivalent); QLoRA's NF4
+weights count their logical elements.
 
 Each stage gives {pp_rank, params, planned_params, off_device}; `check` raises FtcoreError (exit 2)
 naming what is off the device or the stages whose count differs from the planner's.
@@ -22,6 +26,7 @@ naming what is off the device or the stages whose count differs from the planner
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 
 import torch
@@ -178,7 +183,24 @@ def optimizer_off_device(optimizer) -> list[str]:
 
 def dry_build(cfg: DictConfig, world: int) -> list[dict]:
     """One entry per distinct pipeline stage (see `build_stage`)."""
-    return [build_stage(cfg, world, r) for r in stages_to_build(cfg.parallel.pp)]
+    build_cfg = _without_te_cp(cfg)
+    return [build_stage(build_cfg, world, r) for r in stages_to_build(cfg.parallel.pp)]
+
+
+def _without_te_cp(cfg: DictConfig) -> DictConfig:
+    """megatron's local attention refuses context parallelism (only TE's supports it). CP shards
+    no parameter and megatron's dp x cp group keeps its size, so without TE a CP layout is built as
+    its data-parallel equivalent: the same parameters, the same DDP buffers."""
+    from ftcore import precision
+
+    if cfg.parallel.cp == 1 or precision.te_version() is not None:
+        return cfg
+    log.warning(
+        "dry build: no Transformer Engine, so parallel.cp=%d is built as dp", cfg.parallel.cp
+    )
+    folded = copy.deepcopy(cfg)
+    folded.parallel.cp = 1
+    return folded
 
 
 def check(entries: list[dict]) -> None:

@@ -21,7 +21,10 @@ from ftcore.planner import dry_build
 
 EXPS = sorted(p.stem for p in Path(conf_dir(), "exp").glob("*.yaml"))
 NO_DIST_OPT = "parallel.distributed_optimizer=false"
+QLORA = ("peft=qlora", "precision=bf16")  # NF4 base weights (bitsandbytes works on meta)
 CASES = [(e,) for e in EXPS] + [("8b_lora", NO_DIST_OPT), ("tiny_lora", NO_DIST_OPT)]
+CASES += [("tiny_lora", *QLORA), ("tiny_lora", *QLORA, "parallel.tp=2", "cluster.num_gpus=4")]
+CASES += [("tiny_lora", "parallel.cp=2", "parallel.pp=2", "cluster.num_gpus=8")]  # CP without TE
 IDS = [" ".join(c) for c in CASES]
 
 
