@@ -243,6 +243,10 @@ class PlanConfig:
     # share of token positions that are loss targets; logits and the last layer's MLP run only
     # there (models/target_logits.py). 1.0 (every position) bounds memory and time from above.
     target_fraction: float = 1.0
+    # build each distinct pipeline stage on the meta device (one CPU process, a fake process group
+    # of the job's world) and check it against the planner: `dry_build` in the plan, exit 2 when a
+    # tensor is off the device or a count differs (ftcore/planner/dry_build.py)
+    dry_build: bool = False
 
 
 @dataclass

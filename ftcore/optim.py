@@ -14,8 +14,9 @@ from ftcore.errors import FtcoreError
 from ftcore.runtime import cpu
 
 
-def build_optimizer(cfg: DictConfig, model: list):
-    """Adam/AdamW (decoupled weight decay), clipping at train.grad_clip, fp32 main params."""
+def build_optimizer(cfg: DictConfig, model: list, *, gloo_groups: bool = True):
+    """Adam/AdamW (decoupled weight decay), clipping at train.grad_clip, fp32 main params.
+    `gloo_groups=False`: without megatron's gloo side groups (the dry build has none)."""
     o = cfg.optim
     if o.name not in ("adam", "adamw"):
         raise FtcoreError(f"unknown optimizer {o.name!r}", field="optim.name", fix="adam or adamw")
@@ -35,7 +36,7 @@ def build_optimizer(cfg: DictConfig, model: list):
         use_distributed_optimizer=cfg.parallel.distributed_optimizer,
     )
     with cpu.device_mode():
-        optimizer = get_megatron_optimizer(config, model)
+        optimizer = get_megatron_optimizer(config, model, use_gloo_process_groups=gloo_groups)
     if cpu.is_active():
         cpu.fused_adam(optimizer)
         cpu.foreach_grad_ops()

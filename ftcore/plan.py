@@ -2,7 +2,9 @@
 
 Prints memory per pipeline stage, whether the job fits, the GPUs needed and the predicted speed.
 Exits 0 whether or not it fits (2 only for config errors); with plan.format=json stdout is exactly
-one JSON object and logs go to stderr.
+one JSON object and logs go to stderr. `plan.dry_build=true` also builds each distinct pipeline stage
+on the meta device (ftcore/planner/dry_build.py) and exits 2, after printing the plan, when a tensor
+is off the device or a count differs from the planner's.
 """
 
 from __future__ import annotations
@@ -36,12 +38,19 @@ def task(cfg: DictConfig) -> int:
         )
     result = planner.plan(cfg, world)
     ranked = search(cfg, world, cfg.plan.top) if cfg.plan.search else None
+    built = None
+    if cfg.plan.dry_build:
+        from ftcore.planner import dry_build
+
+        built = result["dry_build"] = dry_build.dry_build(cfg, world)
     if cfg.plan.format == "json":
         if ranked is not None:
             result["search"] = ranked
-        print(json.dumps(result))
+        print(json.dumps(result), flush=True)
     else:
-        print(table(result, ranked))
+        print(table(result, ranked), flush=True)
+    if built is not None:
+        dry_build.check(built)  # after the plan is printed: exit 2 names what is wrong
     return 0
 
 

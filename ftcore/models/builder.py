@@ -29,8 +29,11 @@ from ftcore.planner.params import init_method
 from ftcore.runtime import cpu
 
 
-def build_model(cfg: DictConfig, *, vocab_size: int | None = None) -> list[GPTModel]:
-    """Unwrapped GPTModel chunks of this rank, initialised layout-independently."""
+def build_model(
+    cfg: DictConfig, *, vocab_size: int | None = None, init: bool = True
+) -> list[GPTModel]:
+    """Unwrapped GPTModel chunks of this rank, initialised layout-independently (`init=False`:
+    left as built, for the planner's dry build on the meta device, which has no values)."""
     on_cpu = cpu.is_active()
     config = transformer_config(cfg, on_cpu=on_cpu)
     vocab = vocab_size or cfg.model.vocab_size
@@ -71,10 +74,10 @@ def build_model(cfg: DictConfig, *, vocab_size: int | None = None) -> list[GPTMo
     from ftcore.models import rope
 
     rope.install(chunks, cfg.model)  # HF's inv_freq from all four llama3 rope_scaling fields
-    if cfg.model.hf_path or cfg.model.init_path:
-        return chunks  # every parameter is loaded next (ftcore.hf.io.load_weights)
-    init = init_method(cfg, on_gpu=not on_cpu)  # auto: sharded on GPU for large models
-    draw = model_init.init_shards if init == "sharded" else model_init.init_weights
+    if cfg.model.hf_path or cfg.model.init_path or not init:
+        return chunks  # loaded next (ftcore.hf.io.load_weights), or a dry build (nothing to draw)
+    method = init_method(cfg, on_gpu=not on_cpu)  # auto: sharded on GPU for large models
+    draw = model_init.init_shards if method == "sharded" else model_init.init_weights
     draw(
         chunks,
         seed=cfg.run.seed,

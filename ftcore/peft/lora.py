@@ -52,7 +52,7 @@ def init_adapters(chunks, seed: int) -> None:
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     for name, p in iter_params(chunks):
         if p.is_meta:
-            continue
+            continue  # the planner's dry build: nothing to draw into
         if ".lora_A." in name:
             info = shard_info(name, p, tp)
             bound = 1.0 / math.sqrt(info.full_shape[1])

@@ -37,6 +37,22 @@ def table(p: dict, ranked: list[dict] | None = None) -> str:
         f"TFLOP/s/GPU, MFU {100 * p['mfu']:.1f}% ({p['mfu_basis']}); step {p['step_time_s']:.2f} s = "
         + ", ".join(f"{k} {v:.3f}" for k, v in p["step_time_parts_s"].items() if v),
     ]
+    if "dry_build" in p:
+        lines += [
+            "",
+            f"dry build on the meta device (a rank of each distinct pipeline stage of "
+            f"{p['num_gpus']} GPUs):",
+        ]
+        for e in p["dry_build"]:
+            off = e["off_device"]
+            where = (
+                f"{len(off)} off the device: {', '.join(off[:3])}" if off else "all on the device"
+            )
+            same = "=" if e["params"] == e["planned_params"] else "!="
+            lines.append(
+                f"  pp stage {e['pp_rank']:<4} {e['params']:>16,d} elements built {same} "
+                f"{e['planned_params']:,d} planned; {where}{' ...' if len(off) > 3 else ''}"
+            )
     if ranked is not None:
         lines += ["", "layouts that fit, fastest first:"]
         lines.append("    tp  pp  vp  cp  dp mbs recompute    GiB  tokens/s/GPU   MFU")

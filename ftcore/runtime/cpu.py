@@ -11,6 +11,11 @@ megatron-core assumes CUDA in two ways (see shared/notes/megatron_on_cpu.md):
    torch call, so ftcore enters it only around model/optimizer construction, megatron's schedule
    (its buffers), the optimizer step and checkpoint I/O, and leaves it for the forward, the loss
    and the backward (`mode_suspended`; measured in the README).
+
+`meta_device()` points the same rewriting at the meta device instead, for the planner's dry build
+(ftcore/planner/dry_build.py): inside it, ftcore builds as it would on a GPU (`is_active()` is
+False) and everything megatron puts on "the GPU" lands on meta, while a tensor created without a
+device stays on the CPU, where the dry build finds it.
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _active = False
+_target = "cpu"  # where the mode sends device="cuda": "meta" inside meta_device()
 _fake_cuda_gen = torch.Generator()  # stands in for the CUDA generator megatron forks and restores
 
 
 def is_active() -> bool:
-    return _active
+    """True when megatron runs on the CPU (not while a dry build stands in for a GPU)."""
+    return _active and _target == "cpu"
 
 
 def _is_cuda_device(d) -> bool:
@@ -59,26 +66,30 @@ class _Stream:
 
 
 class CudaOnCpuMode(TorchFunctionMode):
-    """Rewrites CUDA devices to CPU and reports CUDA type strings (megatron's grad-clip check)."""
+    """Rewrites CUDA devices to CPU (meta in a dry build) and reports CUDA type strings
+    (megatron's grad-clip check)."""
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-            kwargs["device"] = "cpu"
-        if func is torch.Tensor.cuda:
-            return args[0]
+            kwargs["device"] = _target
+        if func is torch.Tensor.cuda:  # on a GPU .cuda() moves the tensor; on the CPU it stays
+            return args[0] if _target == "cpu" else args[0].to(_target)
         if func is torch.Tensor.to:
-            args = tuple("cpu" if i > 0 and _is_cuda_device(a) else a for i, a in enumerate(args))
+            args = tuple(_target if i > 0 and _is_cuda_device(a) else a for i, a in enumerate(args))
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             t = func(*args)
-            return t.replace("torch.", "torch.cuda.", 1) if ".cuda." not in t else t
+            if _target == "cpu":
+                return t.replace("torch.", "torch.cuda.", 1) if ".cuda." not in t else t
+            # a dry build: a meta tensor stands in for a CUDA one, a CPU tensor stays a CPU one
+            return t.replace("torch.meta.", "torch.cuda.", 1)
         return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def device_mode():
-    """Enter the rewriting mode if the CPU runtime is active; a no-op on CUDA."""
-    if not _active:
+    """Enter the rewriting mode if the CPU runtime or a dry build is active; a no-op on CUDA."""
+    if not _active and _target == "cpu":
         yield
         return
     with CudaOnCpuMode():
@@ -95,6 +106,23 @@ def mode_suspended():
         return
     with torch._C.DisableTorchFunction():
         yield
+
+
+@contextlib.contextmanager
+def meta_device():
+    """Build as on a GPU whose memory is the meta device: device="cuda", .cuda() and
+    torch.cuda.current_device() all mean meta (which allocates nothing, so a 405B stage builds in
+    seconds). The CUDA calls megatron makes are redirected as in `activate()`."""
+    global _target
+    activate()
+    current = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0  # device 0: a CUDA device, which the mode sends to meta
+    _target = "meta"
+    try:
+        yield
+    finally:
+        _target = "cpu"
+        torch.cuda.current_device = current
 
 
 def activate() -> None:

@@ -152,7 +152,9 @@ def init_distributed(cfg: DictConfig) -> DistInfo:
     return DistInfo(rank, world, local_rank, local_world, device)
 
 
-def init_model_parallel(cfg: DictConfig, world: int) -> None:
+def init_model_parallel(cfg: DictConfig, world: int, *, gloo_groups: bool = True) -> None:
+    """megatron's parallel state. `gloo_groups=False` skips its gloo side groups (the dry build's
+    fake process group cannot create gloo groups, and builds nothing that uses them)."""
     from megatron.core import parallel_state as ps
 
     p = cfg.parallel
@@ -169,6 +171,7 @@ def init_model_parallel(cfg: DictConfig, world: int) -> None:
         pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vp if p.vp > 1 else None,
         context_parallel_size=p.cp,
+        create_gloo_process_groups=gloo_groups,
     )
 
 
