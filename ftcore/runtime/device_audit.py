@@ -139,7 +139,7 @@ class ShadowDeviceMode(TorchFunctionMode):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.cuda:
             want, func, args, kwargs = "cuda", (lambda t, *a, **k: t), args[:1], {}
-        elif func is torch.Tensor.cpu:
+        elif func in (torch.Tensor.cpu, torch.Tensor.pin_memory):
             want = "host"
         elif func is torch.Tensor.to:
             rest = []
