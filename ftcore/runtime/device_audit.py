@@ -19,7 +19,9 @@ CPU device object that the audit recognises), so `torch.empty(n, device=x.device
 Every torch.distributed tensor collective and point-to-point call then checks its tensors: on a
 group whose GPU-path backend takes CUDA tensors only, a host tensor raises `HostTensorInCollective`
 with the call site. Groups created with a gloo backend (megatron's `*_gloo` groups) take host
-tensors, as they do on the GPU.
+tensors, as they do on the GPU. Not checked: object collectives (NCCL serves them once
+torch.cuda.set_device ran, which init_distributed does before the group exists), and P2POp lists
+built from the wrapped isend/irecv, which torch refuses (the CPU path's p2p is unbatched).
 
 The mode replaces the CPU runtime's CUDA-to-CPU rewriting (`cpu.device_mode` and
 `cpu.mode_suspended` do nothing inside it) and costs Python time on every torch call: tests only.
