@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from ftcore.cli import run
 from ftcore.errors import FtcoreError
+from ftcore.runtime import dist as rdist
 
 log = logging.getLogger("ftcore")
 STOP_TOKENS = ("<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "</s>")
@@ -66,11 +67,13 @@ def _choose(
 
 
 def _share(ids: torch.Tensor, chooser: bool) -> torch.Tensor:
-    """The chooser rank's tokens on every rank (others add zeros)."""
-    t = ids.to(torch.int64).cpu() if chooser else torch.zeros_like(ids, dtype=torch.int64).cpu()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t
+    """The chooser rank's tokens on every rank (others add zeros), on the host."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ids.to(torch.int64).cpu()
+    t = ids if chooser else torch.zeros_like(ids)
+    t = t.to(device=rdist.comm_device(), dtype=torch.int64)
+    dist.all_reduce(t)
+    return t.cpu()
 
 
 @torch.no_grad()

@@ -125,7 +125,11 @@ def _wire_model_config(state: TrainState) -> None:
 
 def _reduce_sums(values: list[float], contribute: bool) -> list[float]:
     """Sum over the whole world of the values of the ranks that contribute (others add zeros)."""
-    t = torch.tensor(values if contribute else [0.0] * len(values), dtype=torch.float64)
+    t = torch.tensor(
+        values if contribute else [0.0] * len(values),
+        dtype=torch.float64,
+        device=rdist.comm_device(),
+    )
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return t.tolist()

@@ -133,6 +133,7 @@ def write_hf_model(
     from megatron.core import parallel_state as ps
 
     from ftcore.models.sharding import iter_params, join_shards, shard_info
+    from ftcore.runtime import dist as rdist
     from ftcore.tokenizer import tokenizer_source
 
     cfg = state.cfg
@@ -162,7 +163,7 @@ def write_hf_model(
         for name, p in params:
             if name not in names:
                 continue
-            data = p.detach().contiguous()
+            data = p.detach().to(rdist.comm_device()).contiguous()  # no copy where it is already
             if tp > 1:
                 shards = [torch.empty_like(data) for _ in range(tp)]
                 dist.all_gather(shards, data, group=group)

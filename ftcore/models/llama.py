@@ -14,6 +14,7 @@ from ftcore.models import rope, swiglu
 from ftcore.models.attention import SdpaAttention
 from ftcore.models.norm import RMSNorm
 from ftcore.planner.layers import split_layers
+from ftcore.runtime import device_audit
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -57,7 +58,8 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         calculate_per_token_loss=True,  # loss = sum over target tokens / their number (DESIGN.md)
-        use_cpu_initialization=on_cpu,
+        # the device audit builds as on a GPU, so that megatron's weights are born on "the GPU"
+        use_cpu_initialization=on_cpu and not device_audit.active(),
         # megatron's init runs (it marks the TP attributes of each weight) but draws nothing:
         # ftcore initialises layout-independently afterwards (models/init.py).
         perform_initialization=True,

@@ -21,6 +21,7 @@ from megatron.core import parallel_state as ps
 from ftcore.errors import FtcoreError
 from ftcore.models.sharding import iter_params, join_shards, shard_info, take_shard
 from ftcore.peft.layers import COLUMN, SLICES, Geometry, fuse_column, scaling
+from ftcore.runtime import dist as rdist
 
 log = logging.getLogger("ftcore")
 
@@ -49,7 +50,7 @@ def gather_full(chunks, *, everywhere: bool = False) -> dict[str, torch.Tensor] 
     for name, p in iter_params(chunks):
         if ".lora_" not in name:
             continue
-        data = p.detach().float().contiguous()
+        data = p.detach().to(rdist.comm_device(), torch.float32).contiguous()
         shards = [data]
         if tp > 1:
             shards = [torch.empty_like(data) for _ in range(tp)]

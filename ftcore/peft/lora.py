@@ -32,6 +32,7 @@ from ftcore.peft.config import (  # noqa: F401 - re-exported: the settings live 
 )  # fmt: skip
 from ftcore.peft.layers import Geometry, LoraParallelLinear  # noqa: F401
 from ftcore.peft.te_layers import lora_linear  # the TE variant over TE linears (GPU spec)
+from ftcore.runtime import dist as rdist
 
 log = logging.getLogger("ftcore")
 
@@ -138,7 +139,7 @@ def count_params(cfg: DictConfig, chunks: list) -> tuple[int, int]:
             n = rows * p.shape[1]
         total += n
         trainable += n if p.requires_grad else 0
-    t = torch.tensor([trainable, total], dtype=torch.float64)
+    t = torch.tensor([trainable, total], dtype=torch.float64, device=rdist.comm_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return int(t[0]), int(t[1])

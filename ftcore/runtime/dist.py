@@ -27,6 +27,11 @@ from ftcore.errors import FtcoreError
 
 log = logging.getLogger("ftcore")
 
+GPU_BACKEND = "nccl"  # the default group's backend on CUDA; it takes CUDA tensors only
+# Where ftcore puts the tensors of its own collectives: this rank's CUDA device under NCCL, the
+# CPU under gloo (the default). Set by init_distributed on CUDA; comm_device() is the one reader.
+_comm_device = torch.device("cpu")
+
 
 @dataclass
 class DistInfo:
@@ -123,7 +128,9 @@ def launch_local_workers(module: str, argv: list[str], nproc: int) -> int:
 
 
 def init_distributed(cfg: DictConfig) -> DistInfo:
-    """Join or create the process group (NCCL on GPU, gloo on CPU)."""
+    """Join or create the process group (NCCL on GPU, gloo on CPU). The CUDA device is set before
+    the group exists: NCCL's object collectives and barriers use the current device."""
+    global _comm_device
     _env_from_slurm()
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
@@ -135,14 +142,14 @@ def init_distributed(cfg: DictConfig) -> DistInfo:
     use_cuda = torch.cuda.is_available() and cfg.cluster.device != "cpu"
     if use_cuda:
         torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = _comm_device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
         threads = cfg.launcher.threads_per_rank or cpu_threads(local_world)
         torch.set_num_threads(threads)
     if not dist.is_initialized():
         dist.init_process_group(
-            backend="nccl" if use_cuda else "gloo",
+            backend=GPU_BACKEND if use_cuda else "gloo",
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(
@@ -150,6 +157,21 @@ def init_distributed(cfg: DictConfig) -> DistInfo:
             ),
         )
     return DistInfo(rank, world, local_rank, local_world, device)
+
+
+def comm_device() -> torch.device:
+    """The device of the tensors ftcore hands to a collective on the default group or megatron's
+    groups: NCCL takes CUDA tensors only ("No backend type associated with device type cpu"), gloo
+    CPU ones. (megatron's *_gloo groups take CPU tensors on any machine.)"""
+    return _comm_device
+
+
+def set_comm_device(device: torch.device) -> torch.device:
+    """Replace comm_device()'s answer; returns the previous one. For the device audit, which plays
+    the GPU path's init on the CPU (runtime/device_audit.py)."""
+    global _comm_device
+    previous, _comm_device = _comm_device, device
+    return previous
 
 
 def init_model_parallel(cfg: DictConfig, world: int, *, gloo_groups: bool = True) -> None:

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ftcore.runtime import dist as rdist
+
 log = logging.getLogger("ftcore")
 
 _received: list[str] = []
@@ -56,7 +58,7 @@ def stop_reason(cfg, run_dir: Path, start_time: float) -> str | None:
         1.0 if stop_file(cfg, run_dir).exists() else 0.0,
         1.0 if cfg.run.max_time and time.time() - start_time >= cfg.run.max_time * 60 else 0.0,
     ]
-    t = torch.tensor(flags)
+    t = torch.tensor(flags, device=rdist.comm_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     signal_reason = "signal " + ",".join(_received) if _received else "a signal to another rank"
