@@ -74,6 +74,9 @@ class ModelConfig:
     init_std: float = 0.02
     # a safetensors base shipped in assets (tiny_lora's pretrained base)
     init_path: Optional[str] = None
+    # adapters (peft=lora/qlora) on a random base are refused unless this is set: for benchmarks
+    # and tests that need no real weights
+    allow_random_base: bool = False
 
 
 @dataclass

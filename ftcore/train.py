@@ -9,6 +9,10 @@ from ftcore.cli import run
 
 
 def task(cfg: DictConfig) -> int | None:
+    from ftcore import preflight
+
+    preflight.require_cuda(cfg, "train")  # first: on a machine without a GPU nothing else matters
+    preflight.use_adapter(cfg, training=True)
     from ftcore.runtime import dist
 
     status = dist.launch_standalone(cfg, "ftcore.train")
