@@ -234,9 +234,8 @@ def generate(cfg: DictConfig) -> str:
 def task(cfg: DictConfig) -> int | None:
     from ftcore import preflight
 
-    preflight.require_cuda(
-        cfg, "generate"
-    )  # first: on a machine without a GPU nothing else matters
+    # first: on a machine without a GPU nothing else matters
+    preflight.require_cuda(cfg, "generate")
     preflight.use_adapter(cfg, training=False)  # an adapter path is loaded, never dropped
     from ftcore.runtime import dist as rdist
 

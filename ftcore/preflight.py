@@ -86,49 +86,35 @@ def check_inputs(cfg: DictConfig) -> None:
 
 
 def check_paths(cfg: DictConfig) -> None:
-    """Every path the config names exists (the data, the model, the adapter, the tokenizer, the
+    """Every path the config names exists (the data, the model, the tokenizer, the adapter, the
     checkpoint to resume from), named by its field."""
+    from ftcore.config import assets_dir
     from ftcore.data.sources import resolve
+    from ftcore.peft.config import read_adapter_config
 
-    d, m = cfg.data, cfg.model
-    if d.path:
-        resolve(d.path, "data.path")
-    if d.val_path:
-        resolve(d.val_path, "data.val_path")
-    for i, entry in enumerate(d.mix):
-        resolve(entry.path, f"data.mix[{i}].path")
-    if m.hf_path and not Path(m.hf_path).expanduser().is_dir():
-        _missing(
-            m.hf_path,
-            "model.hf_path",
-            "a local Hugging Face model directory (config.json + *.safetensors)",
-        )
-    if m.init_path:
-        from ftcore.config import assets_dir
-
-        if not (Path(m.init_path).expanduser().is_dir() or (assets_dir() / m.init_path).is_dir()):
-            _missing(
-                m.init_path, "model.init_path", "a model directory, or a bundled base (tiny_base)"
-            )
-    if m.tokenizer and not Path(m.tokenizer).expanduser().is_dir():
-        _missing(m.tokenizer, "model.tokenizer", "a Hugging Face tokenizer directory")
+    d, m, resume = cfg.data, cfg.model, cfg.checkpoint.resume
+    data = [("data.path", d.path), ("data.val_path", d.val_path)]
+    data += [(f"data.mix[{i}].path", entry.path) for i, entry in enumerate(d.mix)]
+    for field, path in data:
+        if path:
+            resolve(path, field)  # a file, a directory of them, or a dataset in the HF cache
+    directories = [
+        ("model.hf_path", m.hf_path, "a local Hugging Face model directory (config.json, *.safetensors)"),
+        ("model.init_path", m.init_path, "a model directory, or a bundled base (tiny_base)"),
+        ("model.tokenizer", m.tokenizer, "a Hugging Face tokenizer directory"),
+        ("peft.adapter_path", cfg.peft.adapter_path, "a PEFT adapter directory (a run's hf_adapter/)"),
+        ("checkpoint.resume", None if resume in ("auto", "never") else resume,
+         "a step_<N> checkpoint directory, auto or never"),
+    ]  # fmt: skip
+    for field, path, what in directories:
+        if not path or Path(path).expanduser().is_dir():
+            continue
+        if field == "model.init_path" and (assets_dir() / path).is_dir():
+            continue  # a bundled base, named relative to ftcore/assets
+        state = "is not a directory" if Path(path).expanduser().exists() else "does not exist"
+        raise FtcoreError(f"{path} {state}", field=field, fix=f"give {what}")
     if cfg.peft.adapter_path:
-        from ftcore.peft.config import read_adapter_config
-
-        if not Path(cfg.peft.adapter_path).expanduser().is_dir():
-            _missing(
-                cfg.peft.adapter_path,
-                "peft.adapter_path",
-                "a PEFT adapter directory (a run's hf_adapter/)",
-            )
-        read_adapter_config(cfg.peft.adapter_path)  # adapter_config.json is there and readable
-    resume = cfg.checkpoint.resume
-    if resume not in ("auto", "never") and not Path(resume).expanduser().is_dir():
-        _missing(resume, "checkpoint.resume", "a step_<N> checkpoint directory, auto or never")
-
-
-def _missing(path: str, field: str, what: str) -> None:
-    raise FtcoreError(f"{path} does not exist", field=field, fix=f"give {what}")
+        read_adapter_config(cfg.peft.adapter_path)  # its adapter_config.json is there and readable
 
 
 def check_adapter(cfg: DictConfig) -> None:

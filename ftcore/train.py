@@ -11,7 +11,8 @@ from ftcore.cli import run
 def task(cfg: DictConfig) -> int | None:
     from ftcore import preflight
 
-    preflight.require_cuda(cfg, "train")  # first: on a machine without a GPU nothing else matters
+    # first: on a machine without a GPU nothing else matters
+    preflight.require_cuda(cfg, "train")
     preflight.use_adapter(cfg, training=True)
     from ftcore.runtime import dist
 

@@ -145,9 +145,8 @@ def validate(cfg: DictConfig, launched: int, *, training: bool = True) -> int:
     from ftcore import preflight
 
     check_choices(cfg)
-    preflight.check_inputs(
-        cfg
-    )  # every path exists, no adapter dropped, no adapters on a random base
+    # every path exists, no adapter dropped, no adapters on a random base
+    preflight.check_inputs(cfg)
     return check_layout(cfg, launched, training=training)
 
 
@@ -162,8 +161,10 @@ def check_layout(
     from ftcore.peft.config import check_config as check_peft
 
     check_peft(cfg)  # targets, rank, QLoRA x FP8/FP4, an adapter_path that fits the model
-    if training:
-        (preflight.check_target_hardware if on_target else precision.check_hardware)(cfg)
+    if training and on_target:
+        preflight.check_target_hardware(cfg)
+    elif training:
+        precision.check_hardware(cfg)
     world = world_size_of(cfg, launched)
     if training:
         planner.check_fit(cfg, world)
