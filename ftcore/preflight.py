@@ -136,9 +136,15 @@ def check_base(cfg: DictConfig) -> None:
     m = cfg.model
     if cfg.peft.name == "none" or m.hf_path or m.init_path or m.allow_random_base:
         return
+    named = ""
+    if cfg.peft.adapter_path:  # use_adapter found no base it names here: say which it names
+        from ftcore.peft.config import read_adapter_config
+
+        base = read_adapter_config(cfg.peft.adapter_path).get("base_model_name_or_path")
+        named = f"; the adapter names the base {base!r}, which is no directory here" if base else ""
     raise FtcoreError(
         f"peft={cfg.peft.name} puts adapters on a frozen base model, but no base weights are "
-        "given (model.hf_path and model.init_path are unset), so the base would be random",
+        f"given (model.hf_path and model.init_path are unset), so the base would be random{named}",
         field="model.hf_path",
         fix="model.hf_path=DIR (the base model's Hugging Face directory), or "
         "model.allow_random_base=true for a benchmark or test that needs no real weights",

@@ -83,6 +83,20 @@ def test_train_refuses_an_adapter_next_to_full_fine_tuning(tmp_path):
     assert not run.exists()
 
 
+def test_train_goes_on_training_an_adapter_on_the_base_it_names(tmp_path):
+    from ftcore.preflight import use_adapter
+
+    ad = tiny_adapter(tmp_path / "hf_adapter")
+    cfg = use_adapter(compose(["peft=lora", f"peft.adapter_path={ad}"]), training=True)
+    assert cfg.model.init_path == "tiny_base"
+    validate(cfg, 1)
+    hub = tiny_adapter(tmp_path / "hub_adapter", base="meta-llama/Llama-3.1-8B")
+    cfg = use_adapter(compose(["peft=lora", f"peft.adapter_path={hub}"]), training=True)
+    with pytest.raises(FtcoreError) as e:  # a Hub name is never fetched: say which base it wants
+        validate(cfg, 1)
+    assert e.value.field == "model.hf_path" and "meta-llama/Llama-3.1-8B" in str(e.value)
+
+
 # ---- no adapters on a random base -------------------------------------------------------------
 
 
