@@ -77,6 +77,9 @@ class ModelConfig:
     # random init without hf_path/init_path: auto | layout_independent | sharded. auto = sharded
     # (each rank draws its shard on its GPU; not layout-independent) on GPU from 1e9 params on
     init_method: str = "auto"
+    # adapters (peft=lora/qlora) on a random base are refused unless this is set: for benchmarks
+    # and tests that need no real weights
+    allow_random_base: bool = False
 
 
 @dataclass

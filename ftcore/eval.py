@@ -71,6 +71,11 @@ def evaluate(cfg: DictConfig, state=None) -> dict:
 
 
 def task(cfg: DictConfig) -> int | None:
+    from ftcore import preflight
+
+    # first: on a machine without a GPU nothing else matters
+    preflight.require_cuda(cfg, "eval")
+    preflight.use_adapter(cfg, training=False)  # an adapter path is loaded, never dropped
     from ftcore.runtime import dist as rdist
 
     status = rdist.launch_standalone(cfg, "ftcore.eval", training=False)

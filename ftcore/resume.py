@@ -29,8 +29,9 @@ from ftcore.models.sharding import unwrap
 
 log = logging.getLogger("ftcore")
 
-# Keys whose change makes the saved weights meaningless for this run (paths may move).
-_MODEL_KEYS_IGNORED = {"hf_path", "tokenizer", "init_path", "name"}
+# Keys whose change makes the saved weights meaningless for this run (paths may move; whether a
+# random base is allowed is a check, not a shape).
+_MODEL_KEYS_IGNORED = {"hf_path", "tokenizer", "init_path", "name", "allow_random_base"}
 
 
 def layout() -> dict:

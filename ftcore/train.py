@@ -9,6 +9,11 @@ from ftcore.cli import run
 
 
 def task(cfg: DictConfig) -> int | None:
+    from ftcore import preflight
+
+    # first: on a machine without a GPU nothing else matters
+    preflight.require_cuda(cfg, "train")
+    preflight.use_adapter(cfg, training=True)
     from ftcore.runtime import dist
 
     status = dist.launch_standalone(cfg, "ftcore.train")

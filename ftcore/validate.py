@@ -125,25 +125,48 @@ def check_for_launch(cfg: DictConfig, world: int, *, training: bool = True) -> i
     """validate() before anything heavy is imported, with the HF model's shapes merged in (on a
     copy): the launching parent exits 2 before any worker starts, a single process before megatron
     is imported."""
-    checked = copy.deepcopy(cfg)
-    if checked.model.hf_path:
-        from ftcore.hf.config import merge_hf_config
+    check_choices(cfg)
+    from ftcore import preflight
 
-        checked = merge_hf_config(checked)
-    return validate(checked, world, training=training)
+    preflight.check_inputs(cfg)  # before the merge: a missing model.hf_path is named as missing
+    return check_layout(with_hf_shapes(cfg), world, training=training)
+
+
+def with_hf_shapes(cfg: DictConfig) -> DictConfig:
+    """A copy of cfg with model.hf_path's config.json merged in (cfg itself when there is none)."""
+    if not cfg.model.hf_path:
+        return cfg
+    from ftcore.hf.config import merge_hf_config
+
+    return merge_hf_config(copy.deepcopy(cfg))
 
 
 def validate(cfg: DictConfig, launched: int, *, training: bool = True, device=None) -> int:
     """Run every check in the pinned order; returns the data-parallel size. `device`
     (precision.Device) stands in for this machine's GPU: tests check a target GPU on CPU."""
-    from ftcore import planner, precision
+    from ftcore import preflight
 
     check_choices(cfg)
+    # every path exists, no adapter dropped, no adapters on a random base
+    preflight.check_inputs(cfg)
+    return check_layout(cfg, launched, training=training, device=device)
+
+
+def check_layout(
+    cfg: DictConfig, launched: int, *, training: bool = True, on_target: bool = False, device=None
+) -> int:
+    """validate() past the inputs: divisibility, PEFT, hardware, memory fit, world size; returns
+    dp. `on_target`: the hardware of cluster.compute_capability, not this machine's (dry run);
+    `device`: a simulated machine for the hardware check (see validate)."""
+    from ftcore import planner, precision, preflight
+
     check_divisibility(cfg)
     from ftcore.peft.config import check_config as check_peft
 
     check_peft(cfg)  # targets, rank, QLoRA x FP8/FP4, an adapter_path that fits the model
-    if training:
+    if training and on_target:
+        preflight.check_target_hardware(cfg)
+    elif training:
         precision.check_hardware(cfg, device)
     world = world_size_of(cfg, launched)
     if training:
@@ -155,3 +178,26 @@ def validate(cfg: DictConfig, launched: int, *, training: bool = True, device=No
             fix="launch that many processes, or set cluster.num_gpus=null",
         )
     return check_world(cfg, world)
+
+
+def problems(cfg: DictConfig, launched: int, *, training: bool = True) -> list[str]:
+    """Everything the SLURM dry run reports, one line each: the inputs (paths, adapter, base
+    weights), then the pinned checks against the target cluster's hardware up to the first failure
+    (each later check assumes the earlier ones passed). A bad choice stops it at once."""
+    from ftcore import preflight
+
+    try:
+        check_choices(cfg)
+    except FtcoreError as e:
+        return [str(e)]
+    found: list[FtcoreError] = []
+    for check in (
+        preflight.check_inputs,
+        lambda c: check_layout(with_hf_shapes(c), launched, training=training, on_target=True),
+    ):
+        try:
+            check(cfg)
+        except FtcoreError as e:
+            if all(e.field != f.field for f in found):  # a missing hf_path fails the merge too
+                found.append(e)
+    return [str(e) for e in found]

@@ -111,6 +111,24 @@ def check(layout: slurm_env.Layout, cfg) -> list[str]:
     return problems
 
 
+def job_problems(layout: slurm_env.Layout, cfg, module: str) -> list[str]:
+    """What the workers' own checks would refuse (ftcore.validate: paths, adapter and base weights,
+    divisibility, the target cluster's hardware, memory fit, world size), found by the dry run on a
+    login node instead of after the job waited in the queue."""
+    from ftcore import preflight, validate
+    from ftcore.errors import FtcoreError
+
+    training = module == "ftcore.train"
+    try:
+        preflight.use_adapter(cfg, training=training)
+    except FtcoreError as e:
+        return [str(e)]
+    c = cfg.cluster
+    # as many workers as the experiment asks for: a different allocation is check()'s problem
+    launched = c.num_gpus if c.device != "cpu" and c.num_gpus is not None else layout.world_size
+    return validate.problems(cfg, launched, training=training)
+
+
 def describe(layout: slurm_env.Layout, cfg, module: str, overrides: list[str]) -> dict:
     d = layout.as_dict()
     d["worker_cmd"] = [sys.executable, "-m", module, *overrides]
@@ -233,7 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     info = describe(layout, cfg, args.module, overrides)
     problems = check(layout, cfg) if cfg is not None else []
     if args.dry_run:
+        problems += job_problems(layout, cfg, args.module) if cfg is not None else []
         print(json.dumps({**info, "problems": problems}))
+        for p in problems:  # the JSON is for scripts; each problem on its own line for the user
+            print(f"ftcore error: {p}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR if problems else EXIT_OK
     if problems:
         for p in problems:

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "build" / "gpu-check"
 # The throughput run: Llama 3 8B shapes (4 of its 32 layers), random base, LoRA on every linear.
-TPUT = ["+exp=8b_lora", "model.num_layers=4", "cluster.num_gpus=null", "data.format=instruction",
+TPUT = ["+exp=8b_lora", "model.num_layers=4", "model.allow_random_base=true", "cluster.num_gpus=null", "data.format=instruction",
         "train.global_batch_size=8", "train.max_steps=12", "eval.interval=0",
         "checkpoint.interval=0", "checkpoint.save_at_end=false", "logger.progress=lines"]  # fmt: skip
 WARMUP = 4  # steps left out of the measured median

@@ -9,9 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 STEPS = 30
-# The tiny model, unpacked rows (packing on CUDA needs micro-batch 1), 30 steps, nothing saved.
+# The tiny model (random weights, LoRA cases too), unpacked rows (packing on CUDA needs micro-batch
+# 1), 30 steps, nothing saved.
 BASE = (
     "+exp=tiny_full",
+    "model.allow_random_base=true",
     "cluster.num_gpus=null",
     "data.packing=false",
     "train.micro_batch_size=4",

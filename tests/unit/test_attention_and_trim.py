@@ -18,7 +18,8 @@ def state(tmp_path_factory):
     from ftcore.runtime import dist
 
     cfg = compose([
-        "+exp=tiny_full", "peft=lora", "data.seq_len=64", "data.packing=false",
+        "+exp=tiny_full", "peft=lora", "model.allow_random_base=true", "data.seq_len=64",
+        "data.packing=false",
         "train.global_batch_size=4", "train.micro_batch_size=2", "launcher.threads_per_rank=1",
         f"run.dir={tmp_path_factory.mktemp('run')}", "checkpoint.resume=never",
     ])  # fmt: skip

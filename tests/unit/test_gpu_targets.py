@@ -30,7 +30,8 @@ def check_on_target(cfg, launched: int) -> int:
 
 @pytest.mark.parametrize("exp", EXPS)
 def test_every_exp_validates_on_its_target(exp):
-    cfg = compose([f"+exp={exp}"])
+    # the user brings the base (model.hf_path); its files are checked apart (tests/unit/test_preflight.py)
+    cfg = compose([f"+exp={exp}", "model.allow_random_base=true"])
     launched = cfg.cluster.num_gpus or cfg.launcher.nproc_per_node
     check_on_target(cfg, launched)
 

@@ -156,7 +156,11 @@ def test_gpu_script_layout_matches_its_experiment(script, tmp_path):
     )
     assert nodes * gpn == cfg.cluster.num_gpus, f"{script.name}: nodes x GPUs vs cluster.num_gpus"
 
-    srun, layout = render(script, nodes, gpn, tmp_path, "train.max_steps=7")
+    # no real weights on this machine: the scripts' LoRA bases stay random here (refused otherwise,
+    # test_dry_run_runs_the_jobs_checks)
+    srun, layout = render(
+        script, nodes, gpn, tmp_path, "model.allow_random_base=true", "train.max_steps=7"
+    )
     assert f"--nodes={nodes} --ntasks={nodes} --ntasks-per-node=1" in srun
     assert "ftcore.launch.node --nproc-per-node=auto" in srun
     assert layout["problems"] == []
@@ -176,6 +180,32 @@ def test_gpu_script_layout_matches_its_experiment(script, tmp_path):
     if nodes > 1:
         _, bad = render(script, nodes // 2, gpn, tmp_path, ok=False)
         assert any("cluster.num_gpus" in p for p in bad["problems"])
+
+
+def test_dry_run_runs_the_jobs_checks(tmp_path):
+    """Issue 31's command: `sbatch slurm/405b_lora.sh cluster=h100` with no weights would fine-tune
+    a random base, and does not fit an H100; the dry run on a login node says both, exit 2."""
+    _, layout = render(SLURM / "405b_lora.sh", 1, 8, tmp_path, "cluster=h100", ok=False)
+    problems = layout["problems"]
+    assert any(p.startswith("model.hf_path:") and "random" in p for p in problems), problems
+    assert any(p.startswith("cluster.gpu_mem_gib:") and "on h100" in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "script,overrides,field,words",
+    [
+        ("405b_nvfp4_lora", ["cluster=h100"], "precision:", "h100"),
+        ("8b_lora", ["data.path=typo.jsonl"], "data.path:", "typo.jsonl"),
+        ("8b_lora", ["parallel.tp=3"], "parallel.tp:", "tp=3"),
+    ],
+    ids=["hardware_of_the_target", "data_path", "divisibility"],
+)
+def test_dry_run_refuses_what_the_job_would(script, overrides, field, words, tmp_path):
+    d = sbatch_directives(SLURM / f"{script}.sh")
+    nodes, gpn = int(d["nodes"]), int(d["gpus-per-node"].split(":")[-1])
+    over = ["model.allow_random_base=true", *overrides]
+    _, layout = render(SLURM / f"{script}.sh", nodes, gpn, tmp_path, *over, ok=False)
+    assert any(p.startswith(field) and words in p for p in layout["problems"]), layout["problems"]
 
 
 @pytest.mark.parametrize("nodes,per_node", [(1, 2), (2, 1)])
