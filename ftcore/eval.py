@@ -9,6 +9,7 @@ out of the loss (ftcore.step), so the number is the model's own.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -71,14 +72,16 @@ def evaluate(cfg: DictConfig, state=None) -> dict:
 
 
 def task(cfg: DictConfig) -> int | None:
-    from ftcore import preflight
+    from ftcore import preflight, validate
 
     # first: on a machine without a GPU nothing else matters
     preflight.require_cuda(cfg, "eval")
     preflight.use_adapter(cfg, training=False)  # an adapter path is loaded, never dropped
     from ftcore.runtime import dist as rdist
 
-    status = rdist.launch_standalone(cfg, "ftcore.eval", training=False)
+    status = rdist.launch_standalone(
+        cfg, "ftcore.eval", functools.partial(validate.check_for_launch, training=False)
+    )
     if status is not None:
         return status
     try:

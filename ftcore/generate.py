@@ -235,14 +235,16 @@ def generate(cfg: DictConfig) -> str:
 
 
 def task(cfg: DictConfig) -> int | None:
-    from ftcore import preflight
+    from ftcore import preflight, validate
 
     # first: on a machine without a GPU nothing else matters
     preflight.require_cuda(cfg, "generate")
     preflight.use_adapter(cfg, training=False)  # an adapter path is loaded, never dropped
     from ftcore.runtime import dist as rdist
 
-    status = rdist.launch_standalone(cfg, "ftcore.generate", training=False)
+    status = rdist.launch_standalone(
+        cfg, "ftcore.generate", partial(validate.check_for_launch, training=False)
+    )
     if status is not None:
         return status
     try:

@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,17 +79,18 @@ def cpu_threads(local_world: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // max(1, local_world))
 
 
-def launch_standalone(cfg: DictConfig, module: str, *, training: bool = True) -> int | None:
-    """The entry points' first step. Under torchrun/srun: None (run as this rank). Alone: check the
-    config before megatron is imported or any worker starts (bad input exits 2 fast); then None for
-    one process, or start `launcher.nproc_per_node` workers of `python -m module` with one run.dir
-    for all ranks and return their exit status."""
+def launch_standalone(
+    cfg: DictConfig, module: str, check: Callable[[DictConfig, int], object]
+) -> int | None:
+    """The entry points' first step. Under torchrun/srun: None (run as this rank). Alone: `check(cfg,
+    nproc)` (the entry point's config checks, validate.check_for_launch) before megatron is imported
+    or any worker starts, so bad input exits 2 fast; then None for one process, or start
+    `launcher.nproc_per_node` workers of `python -m module` with one run.dir for all ranks and
+    return their exit status."""
     if under_launcher():
         return None
-    from ftcore import validate
-
     nproc = cfg.launcher.nproc_per_node
-    validate.check_for_launch(cfg, nproc, training=training)
+    check(cfg, nproc)
     if nproc == 1:
         return None
     argv = [a for a in sys.argv[1:] if not a.startswith("run.dir=")]
