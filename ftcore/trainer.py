@@ -86,9 +86,8 @@ def setup(cfg: DictConfig, *, data: bool = True) -> TrainState:
             field="model.vocab_size",
             fix="use the model's own tokenizer (model.tokenizer) or a matching model.vocab_size",
         )
-    if (
-        cfg.data.format != "text"
-    ):  # a chat template that cannot be split is refused before the model
+    # A chat template that training cannot use is refused here, before the model is built.
+    if cfg.data.format != "text":
         from ftcore.data.templates import Renderer
 
         Renderer(state.tokenizer, cfg.data.format, cfg.data.chat_template, cfg.data.train_on_prompt)

@@ -194,3 +194,23 @@ def test_generation_prompt_that_merges_with_the_answer_is_refused(setups, tmp_pa
     assert r.doc({"messages": msgs}).ids.tolist() == _ids(
         tok.apply_chat_template(msgs, tokenize=True)
     )
+
+
+def test_refused_template_exits_2_before_the_model_is_built(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    p = tmp_path / "t.jinja"
+    p.write_text(
+        "{%- for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+    )
+    cmd = [sys.executable, "-m", "ftcore.train", "+exp=tiny_lora", f"data.chat_template={p}",
+           f"run.dir={tmp_path / 'run'}"]  # fmt: skip
+    env = {**os.environ, "FTCORE_LOG_LEVEL": "INFO"}  # to see whether the model was loaded
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "ftcore error:" in r.stderr and "data.chat_template" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert "loaded model.init_path" not in r.stderr  # refused before the model was built
