@@ -7,11 +7,14 @@ import logging
 import math
 import os
 import resource
+import secrets
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from ftcore.errors import EXIT_REQUEUE, EXIT_USER_ERROR, FtcoreError, StopRequested
 
 log = logging.getLogger("ftcore")
 
@@ -66,14 +69,19 @@ class MetricsWriter:
             self.task = self.bar.add_task("train", total=total_steps, completed=start_step, info="")
             self.bar.start()
         if cfg.logger.wandb.mode != "disabled":
-            self._init_wandb(cfg, run_dir)
+            self._init_wandb(cfg, run_dir, resumed=start_step > 0)
 
-    def _init_wandb(self, cfg, run_dir: Path) -> None:
+    def _init_wandb(self, cfg, run_dir: Path, *, resumed: bool) -> None:
+        """A resumed run continues its wandb run (the id in <run.dir>/wandb_id, which the checkpoint
+        restores); a run starting at step 0 is a new wandb run, as its metrics.jsonl starts anew."""
         import wandb
         from omegaconf import OmegaConf
 
         id_file = run_dir / "wandb_id"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        if resumed and id_file.exists():
+            run_id = id_file.read_text().strip()
+        else:  # our own id (wandb's helper for it moved between versions); 16 hex digits is valid
+            run_id = secrets.token_hex(8)
         id_file.write_text(run_id)
         self.wandb = wandb.init(
             project=cfg.logger.wandb.project,
@@ -117,7 +125,13 @@ class MetricsWriter:
             self.bar.stop()
         self.file.close()
         if self.wandb is not None:
-            self.wandb.finish()
+            # Called from `finally`: a run ending in an exception must not show as finished.
+            exc = sys.exc_info()[1]
+            codes = {StopRequested: EXIT_REQUEUE, FtcoreError: EXIT_USER_ERROR}
+            code = (
+                0 if exc is None else next((c for t, c in codes.items() if isinstance(exc, t)), 1)
+            )
+            self.wandb.finish(exit_code=code)
 
 
 class StepTimer:

@@ -86,6 +86,11 @@ def setup(cfg: DictConfig, *, data: bool = True) -> TrainState:
             field="model.vocab_size",
             fix="use the model's own tokenizer (model.tokenizer) or a matching model.vocab_size",
         )
+    # A chat template that training cannot use is refused here, before the model is built.
+    if cfg.data.format != "text":
+        from ftcore.data.templates import Renderer
+
+        Renderer(state.tokenizer, cfg.data.format, cfg.data.chat_template, cfg.data.train_on_prompt)
     # 7. Model: this rank's chunks, layout-independent init, then HF weights straight into the shards.
     chunks = build_model(cfg)
     if cfg.model.hf_path or cfg.model.init_path:

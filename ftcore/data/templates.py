@@ -5,6 +5,12 @@ rendering the conversation prefix by prefix, each new piece of text belongs to e
 and an assistant turn splits into its header (the generation prompt, not a target) and its body
 (the targets). A template whose renders are not prefixes of each other, or that ignores
 `add_generation_prompt`, cannot be split: that is an error, never a silent train-on-everything.
+
+The ids are those of the whole rendered text, tokenized once (what `apply_chat_template(...,
+tokenize=True)` gives, and what a server gives the model); the pieces only decide which tokens are
+targets, by character offsets. A prompt for generation is tokenized the same way, and a template
+whose generation prompt tokenizes differently alone than followed by an answer is refused: the
+model would be prompted with ids it never saw in training.
 """
 
 from __future__ import annotations
@@ -34,6 +40,17 @@ CHATML_TEMPLATE = (
 )
 BUILTIN_TEMPLATES = {"llama3": LLAMA3_TEMPLATE, "chatml": CHATML_TEMPLATE}
 ROLES = ("system", "user", "assistant")
+# Conversations every template is checked on before any data is read (see check_boundaries).
+PROBES = (
+    [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "And 4 + 4?"},
+        {"role": "assistant", "content": "It is 8."},
+    ],
+)
 FORMATS = ("instruction", "chat", "text")
 
 
@@ -129,6 +146,8 @@ class Renderer:
         self.template = resolve_template(tokenizer, template) if fmt != "text" else None
         # text format: tokenizer(text)["input_ids"] + [eos_token_id], as the eval contract pins it
         self.text_eos = tokenizer.eos_token_id
+        if self.template is not None:
+            self.check_boundaries()
 
     def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
         try:
@@ -186,13 +205,69 @@ class Renderer:
             )
         return text
 
+    def ids(self, text: str) -> list[int]:
+        """The one tokenization of rendered text, for training and generation alike."""
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def encode(self, messages: list[dict]) -> Doc:
+        """A conversation as the ids of its whole rendered text, with the tokens overlapping a
+        target piece (the answers) flagged; a token straddling a piece boundary goes with the
+        target, as `apply_chat_template(return_assistant_tokens_mask=True)` does."""
+        segs = self.segments(messages)
+        text = "".join(t for t, _ in segs)
+        try:
+            enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        except NotImplementedError as e:  # only slow (Python) tokenizers lack offsets
+            raise FtcoreError(
+                "chat data needs a fast tokenizer (one with a tokenizer.json)",
+                field="model.hf_path",
+                fix="save the tokenizer with tokenizer.json, or use data.format=text",
+            ) from e
+        ids = np.asarray(enc["input_ids"], np.int32)
+        # character -> target flag, then a token is a target when any of its characters is
+        is_target = np.zeros(len(text) + 1, bool)
+        pos = 0
+        for piece, target in segs:
+            is_target[pos : pos + len(piece)] = target
+            pos += len(piece)
+        cum = np.concatenate([[0], np.cumsum(is_target[:-1])])
+        off = np.asarray(enc["offset_mapping"], np.int64).reshape(-1, 2)
+        ends = np.maximum(off[:, 1], off[:, 0] + 1).clip(max=len(text))
+        targets = cum[ends] > cum[off[:, 0]]
+        return Doc(ids, targets)
+
+    def check_boundaries(self) -> None:
+        """Refuse a template whose generation prompt, tokenized alone (as for generation), is not
+        the start of the ids of the same conversation with the answer (as trained on): e.g. one
+        ending its generation prompt in a space that merges with the answer's first word."""
+        for msgs in PROBES:
+            try:
+                self.render(msgs)
+            except BadRecord:
+                continue  # a template that refuses e.g. system messages: records will say so
+            full = self.encode(msgs).ids.tolist()
+            for k, msg in enumerate(msgs):
+                if msg["role"] != "assistant":
+                    continue
+                prompt = self.ids(self.render(msgs[:k], True))
+                if full[: len(prompt)] != prompt:
+                    raise FtcoreError(
+                        f"the chat template's generation prompt tokenizes differently alone "
+                        f"({self.tok.convert_ids_to_tokens(prompt[-3:])} at its end) than followed by "
+                        f"the answer ({self.tok.convert_ids_to_tokens(full[len(prompt) - 3 : len(prompt)])}),"
+                        " so generation would start from ids the model was never trained on",
+                        field="data.chat_template",
+                        fix="end the generation prompt with a special token or a newline (no trailing "
+                        "space), or use data.chat_template=llama3|chatml",
+                    )
+
     def prompt(self, rec) -> tuple[list[int], str]:
         """(prompt ids up to the last assistant turn's generation prompt, that turn's answer): what
-        exact-match accuracy generates from and compares against."""
+        exact-match accuracy and `ftcore.generate` generate from. Tokenized as `encode` does, so
+        the ids are those the trained sequence starts with (check_boundaries)."""
         msgs = to_messages(rec, self.fmt)
         last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-        text = self.render(msgs[:last], True)
-        return list(self.tok(text, add_special_tokens=False)["input_ids"]), msgs[last]["content"]
+        return self.ids(self.render(msgs[:last], True)), msgs[last]["content"]
 
     def doc(self, rec) -> Doc:
         """A record as token ids and target flags; raises BadRecord for bad records."""
@@ -203,8 +278,4 @@ class Renderer:
             if self.text_eos is not None:
                 ids.append(self.text_eos)
             return Doc(np.asarray(ids, np.int32), np.ones(len(ids), bool))
-        segs = self.segments(to_messages(rec, self.fmt))
-        enc = self.tok([t for t, _ in segs], add_special_tokens=False)["input_ids"]
-        ids = np.fromiter((i for piece in enc for i in piece), np.int32)
-        targets = np.concatenate([np.full(len(piece), m, bool) for piece, (_, m) in zip(enc, segs)])
-        return Doc(ids, targets)
+        return self.encode(to_messages(rec, self.fmt))

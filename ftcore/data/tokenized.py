@@ -24,7 +24,7 @@ from ftcore.data.templates import BadRecord, Doc, Renderer
 from ftcore.errors import FtcoreError
 
 log = logging.getLogger("ftcore")
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: chat ids are the whole rendered text tokenized once
 
 
 @dataclass
