@@ -97,13 +97,19 @@ def test_reshard_continues(pool2, tmp_path, before, after):
 
 
 DIST_OPT = "parallel.distributed_optimizer=true"
+LORA = ["peft=lora", "peft.target_modules=[q_proj,v_proj,o_proj,down_proj]"]
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
     "before,after",
-    [(["parallel.tp=2"], []), (["parallel.pp=2"], []), ([], ["parallel.pp=2"])],
-    ids=["tp2_to_dp2", "pp2_to_dp2", "dp2_to_pp2"],
+    [
+        (["parallel.tp=2"], []),
+        (["parallel.pp=2"], []),
+        ([], ["parallel.pp=2"]),
+        (["parallel.tp=2", *LORA], LORA),
+    ],
+    ids=["tp2_to_dp2", "pp2_to_dp2", "dp2_to_pp2", "lora_tp2_to_dp2"],
 )
 def test_distributed_optimizer_reshards(pool2, tmp_path, before, after):
     """The distributed optimizer's state (Adam moments, fp32 main params) reshards across TP, PP
