@@ -122,7 +122,7 @@ def save(state, *, blocking: bool = False) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    sd = resume.sharded_state_dict(state, is_loading=False)
+    sd = resume.sharded_state_dict(state, is_loading=False, optim=resume.optim_format(state.cfg))
     background = _use_async(state)
     if not background:
         _in_process_results_queue()
@@ -269,7 +269,8 @@ def load(state, path: Path) -> list[str]:
     optimizer_note = resume.optimizer_loadable(state.cfg, common["ftcore"])
     try:
         with cpu.device_mode():
-            sd = resume.sharded_state_dict(state, is_loading=True, optimizer=optimizer_note is None)
+            optim = common["ftcore"]["optim_format"] if optimizer_note is None else None
+            sd = resume.sharded_state_dict(state, is_loading=True, optim=optim)
             loaded = dist_checkpointing.load(sd, str(path))
     except FtcoreError:
         raise

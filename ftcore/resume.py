@@ -4,7 +4,8 @@ A checkpoint is one megatron `dist_checkpointing` state dict:
 - `model` (or `model0..` per virtual stage): sharded tensors under layout-independent keys, so
   they reshard across TP/PP on load. With PEFT only the trainable (adapter) tensors are saved: the
   frozen base comes back from `model.hf_path`/`init_path` at setup;
-- `optimizer`: megatron's sharded optimizer state (model-space tensors, so it reshards too);
+- `optimizer`: megatron's sharded optimizer state, model-space tensors for the regular and the
+  distributed optimizer alike (`optim_format`), so it reshards across TP/PP/vp/DP too;
 - common (rank 0 writes it): scheduler, progress (step, consumed samples, skipped bad steps), the
   layout, the config, the wandb run id, the data position of every DP rank and the RNG states of
   every rank (gathered, so every rank holds the same lists).
@@ -14,6 +15,7 @@ carries over to any DP size when all DP ranks agree on it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 
@@ -70,29 +72,44 @@ def _param_names(chunk, *, trainable: bool) -> set[str]:
 
 
 def optim_format(cfg) -> str:
-    """How the optimizer state is laid out: megatron's regular optimizer keeps it in model space
-    (reshards like the weights); the distributed optimizer's fully parallel `dp_reshardable`
-    format follows its DP buffers (reshards across DP only)."""
-    return "dp_reshardable" if cfg.parallel.distributed_optimizer else "model_space"
+    """How the optimizer state is laid out. megatron's regular optimizer keeps it in model space
+    (reshards like the weights). The distributed optimizer is saved `fully_reshardable`: its flat
+    DP buffers gathered back into model-space tensors (one per parameter and state, sharded like
+    the parameter), so it too reshards across TP, PP, vp and DP. Checkpoints written before used
+    `dp_reshardable` (the raw DP buffers: reshard across DP only); they still load at their layout."""
+    return "fully_reshardable" if cfg.parallel.distributed_optimizer else "model_space"
 
 
-def _optimizer_metadata(cfg) -> dict:
-    return {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
+def optimizer_metadata(fmt: str) -> dict:
+    """megatron's `metadata` for `sharded_state_dict`, saving or loading a checkpoint of `fmt`
+    (as megatron-LM's training/checkpointing builds it). Not the memory-efficient variant: it
+    gathers over gloo to DP rank 0 only, so a save cannot spread over the DP ranks, and a load
+    reads the whole TP/PP shard on every rank either way. The regular optimizer ignores the type;
+    its metadata stays as it always was (it decides a chained optimizer's key prefixes)."""
+    if fmt == "model_space":
+        return {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
+    return {
+        "distrib_optim_sharding_type": fmt,
+        "distrib_optim_fully_reshardable_mem_efficient": False,
+        "chained_optim_avoid_prefix": True,
+    }
 
 
 def optimizer_loadable(cfg, common: dict) -> str | None:
     """None if the saved optimizer state loads into this run, else why not (said as a warning:
     weights, schedule and data position still load; Adam moments restart from zero)."""
     saved, now = common["optim_format"], optim_format(cfg)
+    if saved == "dp_reshardable" and now == "fully_reshardable":
+        lay_saved, lay_now = common["layout"], layout()
+        if all(lay_saved[k] == lay_now[k] for k in ("tp", "pp", "vp")):
+            return None  # an older checkpoint at its own layout: loads in its own format
+        return (f"optimizer state not restored: this checkpoint is in the older dp_reshardable format, "
+                f"which reshards across DP only (saved at {_fmt(lay_saved)}, now {_fmt(lay_now)}); "
+                "Adam moments restart from zero. Resume at the saved tp/pp/vp to keep them: "
+                "checkpoints saved from then on reshard to any layout")  # fmt: skip
     if saved != now:
         return (f"optimizer state not restored: saved in the {saved} format, this run uses {now} "
                 "(parallel.distributed_optimizer changed); Adam moments restart from zero")  # fmt: skip
-    lay_saved, lay_now = common["layout"], layout()
-    model_layout = ("tp", "pp", "vp")
-    if now == "dp_reshardable" and any(lay_saved[k] != lay_now[k] for k in model_layout):
-        return (f"optimizer state not restored: the distributed optimizer's state reshards across DP only "
-                f"(saved at {_fmt(lay_saved)}, now {_fmt(lay_now)}); Adam moments restart from zero. "
-                "Resume at the saved tp/pp/vp to keep them")  # fmt: skip
     return None
 
 
@@ -141,18 +158,63 @@ def _init_distributed_optimizer_state(optimizer) -> None:
                 st.setdefault("step", torch.tensor(0.0))
 
 
-def sharded_state_dict(state, *, is_loading: bool, optimizer: bool = True) -> dict:
-    """The whole checkpoint as a (sharded) state dict. Collective when saving (gathers)."""
+@contextlib.contextmanager
+def _torch_adam_steps(optimizer):
+    """Two gaps in megatron's distributed-optimizer load when the inner optimizer is torch's Adam
+    (megatron without Apex/TE, and ftcore on CPU), which keeps a `step` tensor per parameter
+    where Apex/TE's FusedAdam keeps it in the param group:
+    - the fully_reshardable load copies every key of a parameter's state from the checkpoint, which
+      has no per-tensor step (KeyError 'step'): each parameter is offered its own, restored from
+      the param groups just before, so that key is copied onto itself;
+    - every parameter's state gets the *same* step tensor, which Adam then increments once per
+      parameter per step (wrong bias correction from the first step on): after the load each
+      parameter gets a tensor of its own, holding its param group's step."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    dist_opts = [
+        o
+        for o in getattr(optimizer, "chained_optimizers", [optimizer])
+        if isinstance(o, DistributedOptimizer)
+    ]
+    for o in dist_opts:
+        set_states = o._set_main_param_and_optimizer_states
+
+        def with_step(model_param, tensors, o=o, set_states=set_states):
+            now = o._get_main_param_and_optimizer_states(model_param)
+            if "step" in now and "step" not in tensors:
+                tensors = {**tensors, "step": now["step"]}
+            set_states(model_param, tensors)
+
+        o._set_main_param_and_optimizer_states = with_step
+    try:
+        yield
+    finally:
+        for o in dist_opts:
+            del o._set_main_param_and_optimizer_states  # back to the class's method
+    for o in dist_opts:
+        for group in o.optimizer.param_groups:
+            for p in group["params"]:
+                st = o.optimizer.state.get(p, {})
+                if "step" in st and "step" in group:
+                    st["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
+def sharded_state_dict(state, *, is_loading: bool, optim: str | None = None) -> dict:
+    """The whole checkpoint as a (sharded) state dict; the optimizer's in format `optim` (None:
+    leave the optimizer out). Collective: the distributed optimizer gathers its DP shards."""
+    from ftcore.runtime import cpu
+
     cfg = state.cfg
     sd = model_sharded_state_dict(state)
-    if optimizer:
+    if optim is not None:
         if is_loading:
             _init_distributed_optimizer_state(state.optimizer)
-        sd["optimizer"] = state.optimizer.sharded_state_dict(
-            model_sharded_state_dict(state),
-            is_loading=is_loading,
-            metadata=_optimizer_metadata(cfg),
-        )
+        with cpu.device_mode():  # the gather stages its buffers on the current (CUDA) device
+            sd["optimizer"] = state.optimizer.sharded_state_dict(
+                model_sharded_state_dict(state),
+                is_loading=is_loading,
+                metadata=optimizer_metadata(optim),
+            )
     sd["scheduler"] = state.scheduler.state_dict()
     if is_loading:
         return sd
@@ -248,7 +310,8 @@ def restore(state, loaded: dict, path, optimizer_note: str | None = None) -> lis
             unwrap(chunk).load_state_dict(part)
     with cpu.device_mode(), torch.no_grad():  # the distributed optimizer copies into fp32 params
         if optimizer_note is None:
-            state.optimizer.load_state_dict(loaded["optimizer"])
+            with _torch_adam_steps(state.optimizer):
+                state.optimizer.load_state_dict(loaded["optimizer"])
         else:
             state.optimizer.reload_model_params()  # fp32 main copies from the loaded weights
     state.scheduler.load_state_dict(loaded["scheduler"])
