@@ -34,6 +34,9 @@ class RunConfig:
     max_time: Optional[float] = None  # minutes; stop, save and exit 3 when reached
     stop_file: Optional[str] = None  # default <run.dir>/STOP: a launcher asks the ranks to stop
     handle_signals: bool = True  # SIGTERM/SIGUSR1 -> save at the step boundary, exit 3
+    # the command line's overrides, recorded by compose(): what the user set explicitly, as opposed
+    # to what a preset (+exp=NAME) set (ftcore/preset_eval.py adapts only the latter)
+    overrides: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -326,13 +329,23 @@ def compose(overrides: list[str]) -> DictConfig:
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
             cfg = hydra_compose(config_name="config", overrides=list(overrides))
-    except (HydraException, OmegaConfBaseException, ValueError) as e:
+    # OmegaConf re-raises some merge errors as the builtin type with the key attached (e.g. a dict
+    # merged into a null section: AttributeError): all of them are about the user's overrides
+    except (
+        HydraException,
+        OmegaConfBaseException,
+        ValueError,
+        AttributeError,
+        TypeError,
+        KeyError,
+    ) as e:
         raise FtcoreError(
             _one_line_hydra_error(e), fix="check the key and value against conf/"
         ) from e
     finally:
         GlobalHydra.instance().clear()
     OmegaConf.set_struct(cfg, True)
+    cfg.run.overrides = [str(o) for o in overrides]
     return cfg
 
 

@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
 from ftcore.planner.layers import split_layers
+from ftcore.ranges import check_ranges
 
 CHOICES = {
     "parallel.recompute": ("none", "selective", "full"),
@@ -59,6 +60,11 @@ def check_divisibility(cfg: DictConfig) -> None:
         raise FtcoreError(
             f"tp={p.tp} does not divide num_query_groups (kv heads)={m.num_query_groups}",
             field="parallel.tp", fix="choose a tp that divides model.num_query_groups",
+        )  # fmt: skip
+    if m.get("kv_channels") is None and m.hidden_size % m.num_attention_heads:
+        raise FtcoreError(
+            f"num_attention_heads={m.num_attention_heads} does not divide hidden_size={m.hidden_size}",
+            field="model.hidden_size", fix="set model.kv_channels (the head dim) or a divisible size",
         )  # fmt: skip
     if m.num_attention_heads % m.num_query_groups:
         raise FtcoreError(
@@ -126,6 +132,9 @@ def check_for_launch(cfg: DictConfig, world: int, *, training: bool = True) -> i
     copy): the launching parent exits 2 before any worker starts, a single process before megatron
     is imported."""
     checked = copy.deepcopy(cfg)
+    from ftcore.preset_eval import adapt
+
+    adapt(checked, training=training, say=False)  # the workers adapt their own copy (and log it)
     if checked.model.hf_path:
         from ftcore.hf.config import merge_hf_config
 
@@ -138,6 +147,7 @@ def validate(cfg: DictConfig, launched: int, *, training: bool = True, device=No
     (precision.Device) stands in for this machine's GPU: tests check a target GPU on CPU."""
     from ftcore import planner, precision
 
+    check_ranges(cfg)  # every numeric field in its range (ftcore/ranges.py) before any use
     check_choices(cfg)
     check_divisibility(cfg)
     from ftcore.peft.config import check_config as check_peft
