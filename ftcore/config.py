@@ -329,13 +329,15 @@ def compose(overrides: list[str]) -> DictConfig:
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
             cfg = hydra_compose(config_name="config", overrides=list(overrides))
-    # OmegaConf re-raises some merge errors as the builtin type with the key attached (e.g. a dict
-    # merged into a null section: AttributeError): all of them are about the user's overrides
+    # OmegaConf re-raises some merge errors as the builtin type with the key attached (a dict
+    # merged into a null section: AttributeError; a key set under one: AssertionError): all of
+    # them are about the user's overrides
     except (
         HydraException,
         OmegaConfBaseException,
         ValueError,
         AttributeError,
+        AssertionError,
         TypeError,
         KeyError,
     ) as e:
@@ -354,7 +356,9 @@ def _one_line_hydra_error(e: BaseException) -> str:
     while e.__cause__ is not None and not getattr(e, "full_key", None):
         e = e.__cause__
     lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()] or [type(e).__name__]
-    key = getattr(e, "full_key", None)
+    key = getattr(e, "full_key", None) or next(
+        (ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None
+    )  # OmegaConf's re-raised builtin errors carry the key in their text only
     msg = lines[0]
     if "Could not find" in msg:
         options = [ln for ln in lines[2:] if not ln.startswith(("Config search", "provider="))]

@@ -86,8 +86,10 @@ def _override(rng: random.Random) -> list[str]:
         return [f"optim.betas=[{_value(rng, key)},{_value(rng, key)}]"]
     if key == "cluster.peak_tflops.*":
         return [f"cluster.peak_tflops.bf16={_value(rng, key)}"]
-    if key.startswith("model.rope_scaling."):
+    if key.startswith("model.rope_scaling.") and rng.random() < 0.5:  # a section that is null
         return [f"+model.rope_scaling={{{key.rsplit('.', 1)[1]}: {_value(rng, key)}}}"]
+    if key.startswith("model.rope_scaling.") and rng.random() < 0.5:
+        return ["model=llama31_405b", f"{key}={_value(rng, key)}"]
     return [f"{key}={_value(rng, key)}"]
 
 

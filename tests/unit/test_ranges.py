@@ -101,3 +101,16 @@ def test_cli_out_of_range_is_one_line(capsys):
                       ["+exp=tiny_lora", "model.init_std=-1"])  # fmt: skip
     err = capsys.readouterr().err
     assert status == 2 and err.count("ftcore error:") == 1 and "model.init_std" in err
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["sched.min_lr=0.1", "optim.lr=0.01"], "sched.min_lr"),  # megatron asserts at build
+        (["model=llama31_405b", "model.rope_scaling.low_freq_factor=4"], "model.rope_scaling.low"),
+        (["model.hidden_size=100"], "model.hidden_size"),  # 8 heads; head dim unset
+    ],
+)
+def test_contradictory_fields_are_refused(overrides, field):
+    with pytest.raises(FtcoreError, match=rf"^{re.escape(field)}"):
+        validate.validate(compose(["+exp=tiny_full", *overrides]), 1)
