@@ -34,6 +34,9 @@ class RunConfig:
     max_time: Optional[float] = None  # minutes; stop, save and exit 3 when reached
     stop_file: Optional[str] = None  # default <run.dir>/STOP: a launcher asks the ranks to stop
     handle_signals: bool = True  # SIGTERM/SIGUSR1 -> save at the step boundary, exit 3
+    # the command line's overrides, recorded by compose(): what the user set explicitly, as opposed
+    # to what a preset (+exp=NAME) set (ftcore/preset_eval.py adapts only the latter)
+    overrides: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -329,13 +332,25 @@ def compose(overrides: list[str]) -> DictConfig:
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
             cfg = hydra_compose(config_name="config", overrides=list(overrides))
-    except (HydraException, OmegaConfBaseException, ValueError) as e:
+    # OmegaConf re-raises some merge errors as the builtin type with the key attached (a dict
+    # merged into a null section: AttributeError; a key set under one: AssertionError): all of
+    # them are about the user's overrides
+    except (
+        HydraException,
+        OmegaConfBaseException,
+        ValueError,
+        AttributeError,
+        AssertionError,
+        TypeError,
+        KeyError,
+    ) as e:
         raise FtcoreError(
             _one_line_hydra_error(e), fix="check the key and value against conf/"
         ) from e
     finally:
         GlobalHydra.instance().clear()
     OmegaConf.set_struct(cfg, True)
+    cfg.run.overrides = [str(o) for o in overrides]
     return cfg
 
 
@@ -344,7 +359,9 @@ def _one_line_hydra_error(e: BaseException) -> str:
     while e.__cause__ is not None and not getattr(e, "full_key", None):
         e = e.__cause__
     lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()] or [type(e).__name__]
-    key = getattr(e, "full_key", None)
+    key = getattr(e, "full_key", None) or next(
+        (ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None
+    )  # OmegaConf's re-raised builtin errors carry the key in their text only
     msg = lines[0]
     if "Could not find" in msg:
         options = [ln for ln in lines[2:] if not ln.startswith(("Config search", "provider="))]

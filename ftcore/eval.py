@@ -32,7 +32,7 @@ def evaluate(cfg: DictConfig, state=None) -> dict:
     from ftcore import trainer
     from ftcore.data.pipeline import build_val_batches
 
-    state = state or trainer.setup(cfg, data=False)
+    state = state or trainer.setup(cfg, data=False, training=False)
     batches = build_val_batches(state.cfg, state.tokenizer, ps.get_data_parallel_rank(), state.dp,
                                 path=state.cfg.data.path or None)  # fmt: skip
     if not batches:
@@ -50,7 +50,7 @@ def evaluate(cfg: DictConfig, state=None) -> dict:
         raise FtcoreError("the evaluation data has no target tokens", field="data.path")
     loss = total / tokens
     result = {"loss": loss, "tokens": int(tokens), "ppl": math.exp(min(loss, 700.0))}
-    if cfg.eval.accuracy:  # greedy exact match on the same (instruction/chat) data
+    if state.cfg.eval.accuracy:  # greedy exact match on the same (instruction/chat) data
         from ftcore.generate import exact_match
 
         acc = exact_match(state, state.cfg.data.path or None, max_samples=cfg.eval.max_samples)

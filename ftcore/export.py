@@ -62,7 +62,9 @@ def merge_transform(cfg: DictConfig, run_cfg: DictConfig, step_dir: Path):
 
 def task(cfg: DictConfig) -> int | None:
     from ftcore.hf.export import export_checkpoint
+    from ftcore.ranges import check_ranges
 
+    check_ranges(cfg)
     if not cfg.export.checkpoint:
         raise FtcoreError("no checkpoint given", field="export.checkpoint",
                           fix="export.checkpoint=<run.dir>/checkpoints/step_<N>")  # fmt: skip

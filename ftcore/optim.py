@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 from megatron.core import parallel_state
@@ -12,6 +13,8 @@ from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
 from ftcore.runtime import cpu
+
+log = logging.getLogger("ftcore")
 
 
 def build_optimizer(cfg: DictConfig, model: list, *, gloo_groups: bool = True):
@@ -80,19 +83,32 @@ def build_scheduler(cfg: DictConfig, optimizer) -> OptimizerParamScheduler:
             f"unknown schedule {s.name!r}", field="sched.name", fix="cosine, linear or constant"
         )
     steps = cfg.train.max_steps
+    warmup = warmup_steps(cfg)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if s.warmup_steps > 0 else cfg.optim.lr,
+        init_lr=0.0 if warmup > 0 else cfg.optim.lr,
         max_lr=cfg.optim.lr,
         min_lr=s.min_lr,
-        lr_warmup_steps=s.warmup_steps,
-        lr_decay_steps=max(steps, s.warmup_steps + 1),
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(steps, warmup + 1),
         lr_decay_style=s.name,
         start_wd=cfg.optim.weight_decay,
         end_wd=cfg.optim.weight_decay,
         wd_incr_steps=max(steps, 1),
         wd_incr_style="constant",
     )
+
+
+def warmup_steps(cfg: DictConfig) -> int:
+    """sched.warmup_steps, clamped to the run: a warm-up longer than train.max_steps would never
+    reach optim.lr (a short trial run of a long recipe), so it ends at the last step instead."""
+    warmup, steps = cfg.sched.warmup_steps, cfg.train.max_steps
+    if warmup <= steps:
+        return warmup
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        log.warning("sched.warmup_steps=%d is longer than the run (train.max_steps=%d): clamped to %d",
+                    warmup, steps, steps)  # fmt: skip
+    return steps
 
 
 def _clip_buffers(buffers: list[torch.Tensor], max_norm: float, total_norm: float) -> None:

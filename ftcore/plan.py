@@ -22,6 +22,9 @@ def task(cfg: DictConfig) -> int:
     from ftcore.planner.layers import split_layers
     from ftcore.planner.report import table
     from ftcore.planner.search import search
+    from ftcore.ranges import check_ranges
+
+    check_ranges(cfg)
 
     if cfg.plan.format not in ("table", "json"):
         raise FtcoreError(

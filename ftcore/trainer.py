@@ -46,19 +46,24 @@ class TrainState:
     after_step: list = field(default_factory=list)  # fn(state) after each step, outside its time
 
 
-def setup(cfg: DictConfig, *, data: bool = True) -> TrainState:
-    """Build a run. `data=False` leaves state.loader empty (tests feed their own micro-batches)."""
+def setup(cfg: DictConfig, *, data: bool = True, training: bool = True) -> TrainState:
+    """Build a run. `data=False` leaves state.loader empty (tests feed their own micro-batches);
+    `training=False` for evaluation and generation (no held-out split of data.path)."""
     from ftcore import checkpoint, validate
     from ftcore.data.pipeline import build_train_loader, build_val_batches
     from ftcore.models.builder import build_model, wrap_ddp
     from ftcore.optim import build_optimizer, build_scheduler
+    from ftcore.preset_eval import adapt
     from ftcore.tokenizer import load_tokenizer
 
-    # 1. HF shapes first, so every check below sees the real model.
+    # 1. HF shapes first, so every check below sees the real model; a preset's evaluation fitted
+    #    to the user's data (logged once, by rank 0).
     if cfg.model.hf_path:
         from ftcore.hf.config import merge_hf_config
 
         cfg = merge_hf_config(cfg)
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # before the process group
+    adapt(cfg, training=training, say=rank == "0")
     # 2. Validate in the pinned order before anything heavy exists.
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     dp = validate.validate(cfg, launched)

@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
 from ftcore.planner.layers import split_layers
+from ftcore.ranges import check_ranges
 
 CHOICES = {
     "parallel.recompute": ("none", "selective", "full"),
@@ -59,6 +60,11 @@ def check_divisibility(cfg: DictConfig) -> None:
         raise FtcoreError(
             f"tp={p.tp} does not divide num_query_groups (kv heads)={m.num_query_groups}",
             field="parallel.tp", fix="choose a tp that divides model.num_query_groups",
+        )  # fmt: skip
+    if m.get("kv_channels") is None and m.hidden_size % m.num_attention_heads:
+        raise FtcoreError(
+            f"num_attention_heads={m.num_attention_heads} does not divide hidden_size={m.hidden_size}",
+            field="model.hidden_size", fix="set model.kv_channels (the head dim) or a divisible size",
         )  # fmt: skip
     if m.num_attention_heads % m.num_query_groups:
         raise FtcoreError(
@@ -125,11 +131,15 @@ def check_for_launch(cfg: DictConfig, world: int, *, training: bool = True) -> i
     """validate() before anything heavy is imported, with the HF model's shapes merged in (on a
     copy): the launching parent exits 2 before any worker starts, a single process before megatron
     is imported."""
+    check_ranges(cfg)
     check_choices(cfg)
     from ftcore import preflight
+    from ftcore.preset_eval import adapt
 
-    preflight.check_inputs(cfg)  # before the merge: a missing model.hf_path is named as missing
-    return check_layout(with_hf_shapes(cfg), world, training=training)
+    checked = copy.deepcopy(cfg)
+    adapt(checked, training=training, say=False)  # the workers adapt their own copy (and log it)
+    preflight.check_inputs(checked)  # before the merge: a missing model.hf_path is named as missing
+    return check_layout(with_hf_shapes(checked), world, training=training)
 
 
 def with_hf_shapes(cfg: DictConfig) -> DictConfig:
@@ -146,6 +156,7 @@ def validate(cfg: DictConfig, launched: int, *, training: bool = True, device=No
     (precision.Device) stands in for this machine's GPU: tests check a target GPU on CPU."""
     from ftcore import preflight
 
+    check_ranges(cfg)  # every numeric field in its range (ftcore/ranges.py) before any use
     check_choices(cfg)
     # every path exists, no adapter dropped, no adapters on a random base
     preflight.check_inputs(cfg)
@@ -187,6 +198,7 @@ def problems(cfg: DictConfig, launched: int, *, training: bool = True) -> list[s
     from ftcore import preflight
 
     try:
+        check_ranges(cfg)
         check_choices(cfg)
     except FtcoreError as e:
         return [str(e)]
