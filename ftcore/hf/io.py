@@ -175,7 +175,11 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
     alone and writes it into the shared scale_inv: rows written earlier would be decoded with the
     last piece's scale, with no error (TE's tensor/float8_tensor.py and quantized_tensor.py). So
     its shard is assembled in high precision (its dtype, on its device) and written with one
-    `copy_`, which quantizes with the whole shard's amax: one extra shard at a time."""
+    `copy_`, which quantizes with the whole shard's amax: one extra shard at a time.
+
+    QLoRA's base linears go the same way without ever holding full-precision storage: their
+    parameter is a meta placeholder whose `take_whole` quantizes the assembled shard to NF4
+    (peft/qlora.py), so a rank holds the NF4 base and one full-precision shard at a time."""
     from megatron.core import parallel_state as ps
 
     from ftcore.models.sharding import iter_params, shard_info
@@ -185,7 +189,7 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
     shapes = mappings.Shapes.from_cfg(cfg.model)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     st.check_all(shapes)
-    for name, p in iter_params(chunks):
+    for name, p in list(iter_params(chunks)):  # a list: QLoRA's take_whole swaps parameters
         mp = mappings.resolve(name, shapes.tie)
         if mp is None:
             raise FtcoreError(f"parameter {name} has no Hugging Face counterpart", field=field,
@@ -193,14 +197,18 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
         pieces = mappings.shard_pieces(
             mp, info=shard_info(name, p, tp), s=shapes, tp_rank=tp_rank, tp=tp
         )
-        whole = _quantized(p)
-        dst = torch.empty(p.shape, dtype=p.dtype, device=p.device) if whole else p
+        take = getattr(p, "take_whole", None)  # QLoRA's NF4 linears (peft/qlora.py), on meta
+        whole = take is not None or _quantized(p)
+        device = getattr(p, "whole_device", p.device)
+        dst = torch.empty(p.shape, dtype=p.dtype, device=device) if whole else p
         row = _fill_rows(st, name, dst, pieces, field)
         if row != p.shape[0]:
             raise FtcoreError(
                 f"{name}: {', '.join(mp.hf)} filled {row} of {p.shape[0]} rows", field=field
             )
-        if whole:
+        if take is not None:
+            take(dst)  # quantized as read: the full-precision shard is dropped right here
+        elif whole:
             p.copy_(dst)
         del dst
     log.info("loaded %s weights from %s", field, root)

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from ftcore.models import rope, swiglu
 from ftcore.models.attention import SdpaAttention
 from ftcore.models.norm import RMSNorm
+from ftcore.peft.qlora import defer_base_linears
 from ftcore.planner.layers import split_layers
 from ftcore.runtime import device_audit
 
@@ -111,5 +112,7 @@ def layer_spec(cfg: DictConfig, config: TransformerConfig, *, on_cpu: bool, vp_s
     spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     spec.submodules.input_layernorm = norm
     spec.submodules.pre_mlp_layernorm = norm
+    if cfg.peft.name == "qlora" and (cfg.model.hf_path or cfg.model.init_path):
+        defer_base_linears(spec, cfg.peft.double_quant)  # NF4 as loaded: no full-precision base
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=norm)

@@ -1,11 +1,18 @@
 """QLoRA's frozen base: megatron's column/row-parallel linears with their weight stored as NF4
 (bitsandbytes, optionally with double quantisation of the block constants).
 
-Each TP rank quantises its own shard after the base weights are loaded. The forward dequantises the
-shard to the compute dtype (fp32/bf16) and does what megatron's linear does around the GEMM:
-column-parallel input copied into the TP region (all-gathered along the sequence with SP),
-row-parallel output all-reduced (reduce-scattered along the sequence with SP). The weight gets no
-gradient; the input does, so adapters upstream still train.
+The full-precision base is never held. With a weights source (model.hf_path / init_path) the layer
+spec builds `NF4Column`/`NF4Row` in place of megatron's linears: they allocate nothing, only a
+`weight` on the meta device that tells the loader (hf/io.py) this rank's shard shape, TP axis and
+where to assemble it. The loader reads each shard, hands it whole to `quantize_`, and drops it, so
+a rank holds the NF4 base plus one full-precision shard at a time. A randomly initialised base
+(no weights source) is built in full precision and quantised afterwards (`quantize_linear`).
+
+Each TP rank quantises its own shard. The forward dequantises the shard to the compute dtype
+(fp32/bf16) and does what megatron's linear does around the GEMM: column-parallel input copied into
+the TP region (all-gathered along the sequence with SP), row-parallel output all-reduced
+(reduce-scattered along the sequence with SP). The weight gets no gradient; the input does, so
+adapters upstream still train.
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
 
 from ftcore.errors import FtcoreError
@@ -33,24 +41,47 @@ def _bnb():
 
 
 class NF4ParallelLinear(nn.Module):
-    """A frozen NF4 copy of a megatron ColumnParallelLinear/RowParallelLinear (no bias)."""
+    """A frozen NF4 megatron ColumnParallelLinear/RowParallelLinear (no bias).
 
-    def __init__(self, base: nn.Module, *, column: bool, double_quant: bool, sp: bool):
+    Until `quantize_` it holds only `weight` on meta (shape, dtype, TP attributes of the shard;
+    `whole_device` and `take_whole` tell the loader where to assemble the shard and whom to give it);
+    afterwards only `qweight`, the packed NF4 shard."""
+
+    def __init__(self, shape, dtype, device, *, column: bool, sp: bool, double_quant: bool):
         super().__init__()
-        w = base.weight.detach()
-        if getattr(base, "bias", None) is not None and base.bias.numel():
-            raise FtcoreError("QLoRA supports linears without bias only", field="peft.name")
-        self.column, self.sp = column, sp
-        self.dtype, self.shape = w.dtype, tuple(w.shape)
+        self.column, self.sp, self.double_quant = column, sp, double_quant
+        self.dtype, self.shape, self.device = dtype, tuple(shape), torch.device(device)
+        self.quant_state = None
+        self.register_parameter("qweight", None)
+        w = nn.Parameter(torch.empty(self.shape, dtype=dtype, device="meta"), requires_grad=False)
+        set_tensor_model_parallel_attributes(w, True, 0 if column else 1, 1)
+        w.whole_device, w.take_whole = self.device, self.quantize_
+        self.weight = w
+
+    @torch.no_grad()
+    def quantize_(self, w: torch.Tensor) -> None:
+        """Store `w` (this rank's whole shard) as NF4 and drop the placeholder weight."""
+        if tuple(w.shape) != self.shape:
+            raise RuntimeError(f"NF4 linear of shape {self.shape} handed {tuple(w.shape)}")
+        placeholder = self._parameters.pop("weight")
         packed, self.quant_state = _bnb().quantize_4bit(
-            w.contiguous(), blocksize=BLOCKSIZE, compress_statistics=double_quant, quant_type="nf4"
-        )
-        self.qweight = nn.Parameter(packed, requires_grad=False)
-        self.qweight.logical_numel = w.numel()  # what the model has, for the trainable count
-        self.qweight.tensor_model_parallel = bool(
-            getattr(base.weight, "tensor_model_parallel", False)
-        )
-        self.qweight.partition_dim = getattr(base.weight, "partition_dim", -1)
+            w.contiguous(), blocksize=BLOCKSIZE, compress_statistics=self.double_quant,
+            quant_type="nf4",
+        )  # fmt: skip
+        q = nn.Parameter(packed, requires_grad=False)
+        q.logical_numel = w.numel()  # what the model has, for the trainable count
+        q.tensor_model_parallel = placeholder.tensor_model_parallel
+        q.partition_dim = placeholder.partition_dim
+        self.qweight = q
+
+    def _apply(self, fn, recurse=True):
+        """`.cuda()`/`.to()` move the NF4 data; the meta placeholder stays on meta (it has none)."""
+        placeholder = self._parameters.pop("weight", None)
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            if placeholder is not None:
+                self._parameters["weight"] = placeholder
 
     def weight_fp(self) -> torch.Tensor:
         return (
@@ -61,6 +92,8 @@ class NF4ParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
+        if self.qweight is None:
+            raise RuntimeError("an NF4 linear was never handed its weights (hf/io.py load_weights)")
         w = self.weight_fp()
         if self.column:
             if self.sp:
@@ -81,13 +114,66 @@ class NF4ParallelLinear(nn.Module):
         return {}  # the frozen base comes back from model.hf_path / init_path, never from a checkpoint
 
 
+class _Deferred(NF4ParallelLinear):
+    """Built by megatron from the layer spec with a linear's arguments; allocates no weight."""
+
+    COLUMN = True
+
+    def __init__(self, input_size: int, output_size: int, *, config, double_quant: bool,
+                 bias: bool = False, **_):  # fmt: skip
+        if bias:
+            raise FtcoreError("QLoRA supports linears without bias only", field="peft.name")
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        col = self.COLUMN
+        shape = (output_size // tp, input_size) if col else (output_size, input_size // tp)
+        # where megatron would put the weight (the CPU, a GPU, or meta in a dry build)
+        device = torch.empty(0, device="cpu" if config.use_cpu_initialization
+                             else torch.cuda.current_device()).device  # fmt: skip
+        sp = bool(config.sequence_parallel) and tp > 1
+        super().__init__(shape, config.params_dtype, device, column=col, sp=sp,
+                         double_quant=double_quant)  # fmt: skip
+
+
+class NF4Column(_Deferred):
+    COLUMN = True
+
+
+class NF4Row(_Deferred):
+    COLUMN = False
+
+
+def defer_base_linears(spec, double_quant: bool) -> None:
+    """Make a local layer spec build its four linears as NF4 placeholders (no full-precision weight)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    params = {"double_quant": double_quant}
+    attn.linear_qkv = ModuleSpec(module=NF4Column, params=params)
+    attn.linear_proj = ModuleSpec(module=NF4Row, params=params)
+    mlp.linear_fc1 = ModuleSpec(module=NF4Column, params=params)
+    mlp.linear_fc2 = ModuleSpec(module=NF4Row, params=params)
+
+
 def quantize_linear(base: nn.Module, *, double_quant: bool, sp: bool) -> nn.Module:
-    """The NF4 replacement of one megatron linear (column: linear_qkv/linear_fc1)."""
+    """The NF4 form of one megatron linear (column: linear_qkv/linear_fc1). A placeholder the loader
+    already quantised is returned as it is; one never loaded is quantised only on meta (dry build)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    if isinstance(base, ColumnParallelLinear):
-        return NF4ParallelLinear(base, column=True, double_quant=double_quant, sp=sp)
-    if isinstance(base, RowParallelLinear):
-        return NF4ParallelLinear(base, column=False, double_quant=double_quant, sp=sp)
-    raise FtcoreError(f"QLoRA needs megatron's local linears, got {type(base).__name__}", field="peft.name",
-                      fix="QLoRA builds with the local layer spec (precision.te_layers is ignored)")  # fmt: skip
+    if isinstance(base, NF4ParallelLinear):
+        if base.qweight is None:
+            if not base.weight.is_meta or base.device.type != "meta":
+                raise RuntimeError("an NF4 linear was never handed its weights")
+            base.quantize_(base.weight)  # a dry build: meta in, meta out
+        return base
+    if not isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
+        raise FtcoreError(f"QLoRA needs megatron's local linears, got {type(base).__name__}", field="peft.name",
+                          fix="QLoRA builds with the local layer spec (precision.te_layers is ignored)")  # fmt: skip
+    if getattr(base, "bias", None) is not None and base.bias.numel():
+        raise FtcoreError("QLoRA supports linears without bias only", field="peft.name")
+    w = base.weight.detach()
+    m = NF4ParallelLinear(w.shape, w.dtype, w.device, column=isinstance(base, ColumnParallelLinear),
+                          sp=sp, double_quant=double_quant)  # fmt: skip
+    m.quantize_(w)
+    m.qweight.tensor_model_parallel = bool(getattr(base.weight, "tensor_model_parallel", False))
+    m.qweight.partition_dim = getattr(base.weight, "partition_dim", -1)
+    return m

@@ -66,6 +66,7 @@ def _stage_json(s: StageMemory) -> dict:
             "optimizer": s.optimizer / GiB,
             "activations": s.activations / GiB,
             "reserve": s.reserve / GiB,
+            "load_peak": s.load / GiB,
             "total": s.total / GiB,
         },
         "parts": {
@@ -128,6 +129,7 @@ def plan(cfg: DictConfig, world_size: int | None = None) -> dict:
             "optimizer": worst.optimizer / GiB,
             "activations": worst.activations / GiB,
             "reserve": worst.reserve / GiB,
+            "load_peak": worst.load / GiB,
             "total": worst.total / GiB,
         },
         "worst_stage": worst.pp_rank,

@@ -11,6 +11,13 @@ Model state is replayed the way megatron allocates it, so it is exact on CPU:
 - FP8/FP4 (GPU): TE caches the quantized weights between micro-batches (data, plus a transposed
   copy on Hopper where FP8 GEMMs need the TN layout); with `precision.fp8_param_gather` the weights
   are stored quantized instead of in bf16. QLoRA keeps frozen linears in NF4.
+
+Loading has its own peak, before any gradient, optimizer state or activation exists (`load`): what
+the loaded weights occupy plus the one full-precision shard the loader assembles whole before
+handing it over (QLoRA's NF4 quantizer, or a quantized FP8/FP4 parameter's single `copy_`; see
+hf/io.py). A QLoRA base drawn at random (no model.hf_path/init_path) is built in full precision and
+quantized afterwards, so there it is the whole full-precision base. A stage's total is the larger
+of its training and its load peak (plus the reserve).
 """
 
 from __future__ import annotations
@@ -41,13 +48,20 @@ class StageMemory:
     optimizer: int
     activations: int
     reserve: int
+    load: int = 0  # peak while loading the weights (no grads/optimizer/activations yet)
     parts: dict = field(default_factory=dict)  # finer terms (bytes) for the table and the tests
 
     @property
+    def training(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+    @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations + self.reserve
+        return max(self.training, self.load) + self.reserve
 
     def largest(self) -> tuple[str, int]:
+        if self.load > self.training:
+            return "load peak", self.load
         terms = {k: getattr(self, k) for k in ("weights", "grads", "optimizer", "activations")}
         return max(terms.items(), key=lambda kv: kv[1])
 
@@ -129,10 +143,10 @@ def _model_state(cfg, pp_rank: int, dp: int, dp_rank: int) -> dict[str, int]:
     qbytes = quantized_weight_bytes(cfg)
     param_gather = qbytes > 0 and bool(pr.fp8_param_gather)
     qlora = cfg.peft.name == "qlora"
+    loaded = bool(cfg.model.hf_path or cfg.model.init_path)
     on_cpu = cfg.cluster.device == "cpu"
-    out = dict(
-        weights=0, grads=0, optimizer=0, frozen=0, trainable=0, quantized_cache=0, elements=0
-    )
+    out = dict(weights=0, grads=0, optimizer=0, frozen=0, trainable=0, quantized_cache=0,
+               elements=0, load_resident=0, load_in_flight=0)  # fmt: skip
     for chunk in rank_params(cfg, pp_rank):
         trainable = [q for q in chunk if q.trainable]
         for q in chunk:
@@ -151,6 +165,15 @@ def _model_state(cfg, pp_rank: int, dp: int, dp_rank: int) -> dict[str, int]:
                 else:
                     nbytes = q.numel * pb
                 out["frozen"] += nbytes
+                out["load_resident"] += nbytes
+                if qlora and q.kind == "linear":  # the full-precision shard quantized as read
+                    shard = q.numel * pb
+                    whole = out["load_in_flight"] + shard if not loaded else shard
+                    out["load_in_flight"] = max(out["load_in_flight"], whole)
+            elif q.kind != "lora":  # adapters are created after the load
+                out["load_resident"] += q.numel * (qbytes if quant and param_gather else pb)
+            if quant and param_gather:  # assembled in high precision, written with one copy_
+                out["load_in_flight"] = max(out["load_in_flight"], q.numel * pb)
         if not trainable:
             continue
         ranges, size = buffer_layout(trainable, dp, p.distributed_optimizer)
@@ -211,7 +234,10 @@ def stage_memory(
         optimizer=state["optimizer"],
         activations=activations,
         reserve=int(cfg.cluster.reserve_gib * GiB),
+        load=state["load_resident"] + state["load_in_flight"],
         parts=dict(
+            load_resident=state["load_resident"],
+            load_shard_in_flight=state["load_in_flight"],
             frozen_weights=state["frozen"],
             trainable_weights=state["trainable"],
             quantized_weights=state["quantized_cache"],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-TERMS = ("weights", "grads", "optimizer", "activations", "reserve", "total")
+TERMS = ("weights", "grads", "optimizer", "activations", "reserve", "load_peak", "total")
 
 
 def table(p: dict, ranked: list[dict] | None = None) -> str:
@@ -30,7 +30,9 @@ def table(p: dict, ranked: list[dict] | None = None) -> str:
         f"activations = {w['layer_activation'] * 1024:.1f} MiB/layer x {w['layers_in_flight']} "
         f"layer-microbatches in flight + loss {w['loss_activations']:.2f} + pipeline buffers "
         f"{w['pipeline_buffers'] + w['masks']:.2f} + the larger of logits {w['logits_transient']:.2f} "
-        f"(with the loss) and a recomputed layer {w['recompute_transient']:.2f}",
+        f"(with the loss) and a recomputed layer {w['recompute_transient']:.2f}; load peak = loaded "
+        f"weights {w['load_resident']:.2f} + full-precision shard in flight "
+        f"{w['load_shard_in_flight']:.2f} (total: the larger of training and load, + reserve)",
         f"fits: {'yes' if p['fits'] else 'NO'} ({p['memory_gib']['total']:.1f} of "
         f"{p['gpu_mem_gib']:.1f} GiB); fewest GPUs that fit: {p['gpus_needed']}",
         f"speed: {p['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, {p['model_tflops_per_gpu']:.0f} model "
