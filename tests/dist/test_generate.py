@@ -82,10 +82,13 @@ def train_adapter_case(hf_dir: str, run_dir: str) -> str:
     from ftcore.peft.export import write_hf_adapter
     from tests.dist.layouts import SyntheticLoader
 
-    cfg = compose_hf(hf_dir, run_dir, [*LORA, "parallel.tp=2"])
+    # a large step, so the adapter changes the greedy tokens (else the comparison proves nothing)
+    cfg = compose_hf(
+        hf_dir, run_dir, [*LORA, "peft.lora_alpha=32", "optim.lr=0.1", "parallel.tp=2"]
+    )
     state = trainer.setup(cfg, data=False)
     state.loader = SyntheticLoader(cfg, ps.get_data_parallel_rank(), state.dp, 2048)
-    for _ in range(3):
+    for _ in range(4):
         trainer.train_step(state)
     return str(write_hf_adapter(state))
 
