@@ -1,6 +1,6 @@
 """Generation with megatron's KV cache: greedy tokens equal the recomputing path's and, with an
 adapter ftcore trained, transformers + PEFT's `generate`, at TP=2 and PP=2; after the prompt
-each forward feeds the model one new position per row."""
+each forward feeds the model one new position per row; a seeded top-p run repeats."""
 
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ def cache_case(run_dir: str, layout: list[str]) -> dict:
         seen.clear()
         out[cache] = {"ids": generate_ids(state, PROMPTS, max_new_tokens=NEW, kv_cache=cache),
                       "widths": list(seen)}  # fmt: skip
+    out["sampled"] = [generate_ids(state, PROMPTS, max_new_tokens=4, temperature=1.0, top_p=0.9,
+                                   seed=s) for s in (7, 7, 8)]  # fmt: skip
     return out
 
 
@@ -58,6 +60,8 @@ def test_kv_cache_keeps_greedy_tokens_and_feeds_one_position(pool2, tmp_path, la
     fed = sum(b * w for b, w in cached["widths"])
     assert fed == len(PROMPTS) * shortest + sum(len(p) + NEW - shortest - 1 for p in PROMPTS)
     assert sum(b * w for b, w in plain["widths"]) > 2 * fed  # the recomputing path: O(length^2)
+    a, again, other = res[0]["sampled"]  # top-p sampling, seeded: the same run twice
+    assert a == again == res[1]["sampled"][0] and a != other
 
 
 def sp_case(run_dir: str) -> list:
