@@ -1,12 +1,14 @@
 """`python -m ftcore.generate +exp=NAME [model.hf_path=DIR] [peft.adapter_path=DIR]
 generate.prompt="..." [generate.max_new_tokens=N] [generate.temperature=T]`: the chat template is
-applied to the prompt, then tokens are decoded greedily (temperature 0) or sampled, under any
-layout. Also exact-match accuracy on instruction data with checkable answers (`eval.accuracy`).
+applied to the prompt, then tokens are decoded greedily (temperature 0) or sampled (temperature,
+top-k, top-p), under any layout. Also exact-match accuracy on instruction data with checkable
+answers (`eval.accuracy`).
 
-Decoding runs megatron's own forward-only schedule on the whole (growing) batch of sequences each
-step, so TP/PP/SP work unchanged; without a KV cache that costs O(length^2), fine for the short
-answers this is for. The next tokens are chosen on the last pipeline stage (full-vocab logits,
-padded vocab masked) and shared with every rank.
+Decoding runs megatron's own forward-only schedule, so TP/PP work unchanged. With megatron's KV
+cache (StaticInferenceContext) the prompts are read once and each later forward feeds one new
+position per row; under sequence or context parallelism (which shard the sequence) each step
+recomputes the whole prefix instead: same tokens, O(length^2). The next tokens are chosen on the
+last pipeline stage (full-vocab logits, padded vocab masked) and shared with every rank.
 """
 
 from __future__ import annotations
