@@ -270,6 +270,7 @@ class GenerateConfig:
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0
+    top_p: float = 1.0  # nucleus sampling, in (0, 1]; 1.0 = off
 
 
 @dataclass

@@ -122,6 +122,7 @@ RANGES: dict[str, Range] = {
     "generate.max_new_tokens": AT_LEAST_1,
     "generate.temperature": Range(0, note="0 = greedy"),
     "generate.top_k": Range(0, note="0 = off"),
+    "generate.top_p": Range(0, 1, lo_open=True, note="1.0 = off"),
     "bench.warmup_steps": AT_LEAST_0,
     "bench.measure_steps": AT_LEAST_1,
     "bench.threads": AT_LEAST_1,
