@@ -264,6 +264,8 @@ class ExportConfig:
 @dataclass
 class GenerateConfig:
     prompt: Optional[str] = None
+    # the prompt read from this file ("-": standard input), for text Hydra's parser cannot take
+    prompt_file: Optional[str] = None
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0
