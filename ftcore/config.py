@@ -100,6 +100,9 @@ class TrainConfig:
     micro_batch_size: int = 2
     grad_clip: float = 1.0
     skip_bad_steps: int = 0  # NaN/Inf steps skipped (not applied) before the run stops
+    # passes over the training rows; when set, max_steps = ceil(epochs * rows / global_batch_size)
+    # (a preset's max_steps yields to it; both on the command line is refused)
+    epochs: Optional[float] = None
 
 
 @dataclass
@@ -338,7 +341,21 @@ def compose(overrides: list[str]) -> DictConfig:
     finally:
         GlobalHydra.instance().clear()
     OmegaConf.set_struct(cfg, True)
+    _check_epochs(cfg, overrides)
     return cfg
+
+
+def _check_epochs(cfg: DictConfig, overrides: list[str]) -> None:
+    """train.epochs and train.max_steps both given by the user is a contradiction (a preset's
+    max_steps is not: the trainer derives it from epochs and the data size)."""
+    epochs = cfg.train.epochs
+    if epochs is None:
+        return
+    if epochs <= 0:
+        raise FtcoreError(f"epochs must be > 0, not {epochs}", field="train.epochs")
+    if any(o.lstrip("+~").startswith("train.max_steps=") for o in overrides):
+        raise FtcoreError("both train.epochs and train.max_steps are given", field="train.epochs",
+                          fix="give one: the step count is derived from epochs and the data size")  # fmt: skip
 
 
 def _one_line_hydra_error(e: BaseException) -> str:

@@ -66,3 +66,40 @@ def test_prompt_file_errors_exit_2_before_anything_is_built(tmp_path):
     assert "no prompt given" in error_line(empty)
     for p in (both, missing, empty):
         assert "loaded model" not in p.stderr and p.stdout == ""
+
+
+# ---- train.epochs ------------------------------------------------------------------------------
+
+
+def own_jsonl(path: Path, n: int) -> Path:
+    """A user's own instruction data: n records."""
+    import json
+
+    recs = [{"instruction": f"What is {i} + {i}?", "output": str(2 * i)} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def test_epochs_set_the_step_count_and_many_repeats_are_warned(tmp_path):
+    """train.epochs=E on 10 rows with global batch 4: ceil(E * 10 / 4) steps; above 3 passes over
+    the data, a warning says so."""
+    import math
+    import re
+
+    data = own_jsonl(tmp_path / "mine.jsonl", 10)
+    p = cli("train", "+exp=tiny_lora", f"data.path={data}", "data.val_fraction=0", "data.packing=false",
+            "train.epochs=3.5", "train.global_batch_size=4", "train.micro_batch_size=2",
+            "eval.interval=0", "eval.accuracy=false", f"run.dir={tmp_path / 'run'}")  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = int(re.search(r"data \(train\): \d+ samples, .*?(\d+) rows", p.stderr).group(1))
+    assert rows == 10, p.stderr[-3000:]
+    steps = math.ceil(3.5 * rows / 4)
+    assert f"training {steps} steps" in p.stderr, p.stderr[-3000:]
+    assert "repeats its training data 3.6 times" in p.stderr, p.stderr[-3000:]
+
+
+def test_epochs_and_max_steps_together_are_refused(tmp_path):
+    both = cli("train", "+exp=tiny_lora", "train.epochs=2", "train.max_steps=5")
+    line = error_line(both)
+    assert "train.epochs" in line and "train.max_steps" in line
+    assert "train.epochs" in error_line(cli("train", "+exp=tiny_lora", "train.epochs=0"))
