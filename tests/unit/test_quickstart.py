@@ -148,3 +148,11 @@ def test_own_jsonl_to_an_adapter_peft_loads_by_its_base_name(tmp_path, monkeypat
     on_base = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(adapter))
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.equal(alone(ids).logits, on_base(ids).logits)
+
+
+def test_the_documented_quoting_keeps_commas_and_apostrophes():
+    """docs/quickstart.md's shell + Hydra quoting for an inline prompt, as bash passes it."""
+    cmd = f"""{sys.executable} -m ftcore.generate 'generate.prompt="What'"'"'s 2, plus 3?"' --cfg job"""
+    p = subprocess.run(["bash", "-c", cmd], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "prompt: What's 2, plus 3?" in p.stdout
