@@ -103,6 +103,9 @@ class TrainConfig:
     micro_batch_size: int = 2
     grad_clip: float = 1.0
     skip_bad_steps: int = 0  # NaN/Inf steps skipped (not applied) before the run stops
+    # passes over the training rows; when set, max_steps = ceil(epochs * rows / global_batch_size)
+    # (a preset's max_steps yields to it; both on the command line is refused)
+    epochs: Optional[float] = None
 
 
 @dataclass
@@ -267,6 +270,8 @@ class ExportConfig:
 @dataclass
 class GenerateConfig:
     prompt: Optional[str] = None
+    # the prompt read from this file ("-": standard input), for text Hydra's parser cannot take
+    prompt_file: Optional[str] = None
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0
@@ -352,7 +357,21 @@ def compose(overrides: list[str]) -> DictConfig:
         GlobalHydra.instance().clear()
     OmegaConf.set_struct(cfg, True)
     cfg.run.overrides = [str(o) for o in overrides]
+    _check_epochs(cfg, overrides)
     return cfg
+
+
+def _check_epochs(cfg: DictConfig, overrides: list[str]) -> None:
+    """train.epochs and train.max_steps both given by the user is a contradiction (a preset's
+    max_steps is not: the trainer derives it from epochs and the data size)."""
+    epochs = cfg.train.epochs
+    if epochs is None:
+        return
+    if epochs <= 0:
+        raise FtcoreError(f"epochs must be > 0, not {epochs}", field="train.epochs")
+    if any(o.lstrip("+~").startswith("train.max_steps=") for o in overrides):
+        raise FtcoreError("both train.epochs and train.max_steps are given", field="train.epochs",
+                          fix="give one: the step count is derived from epochs and the data size")  # fmt: skip
 
 
 def _one_line_hydra_error(e: BaseException) -> str:

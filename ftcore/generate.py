@@ -310,19 +310,52 @@ def prompt_ids(state, text: str) -> list[int]:
     return ids
 
 
+PROMPT_ENV = "FTCORE_STDIN_PROMPT"  # standard input, read once by the process the user started
+
+
+def read_prompt(cfg: DictConfig) -> str:
+    """The prompt: `generate.prompt`, or the text of `generate.prompt_file` (`-`: standard input,
+    read only when asked). A file takes any text (commas, quotes, `=`, newlines) that Hydra's
+    parser would reject on the command line."""
+    import os
+    import sys
+    from pathlib import Path
+
+    g = cfg.generate
+    if g.prompt and g.prompt_file:
+        raise FtcoreError("both generate.prompt and generate.prompt_file are set",
+                          field="generate.prompt_file", fix="give one of the two")  # fmt: skip
+    if not g.prompt_file:
+        text = g.prompt
+    elif g.prompt_file == "-":
+        # local workers cannot all read the one standard input: the first process reads it
+        if PROMPT_ENV not in os.environ:
+            os.environ[PROMPT_ENV] = sys.stdin.read()
+        text = os.environ[PROMPT_ENV]
+    else:
+        path = Path(g.prompt_file).expanduser()
+        if not path.is_file():
+            raise FtcoreError(f"no such file: {path}", field="generate.prompt_file",
+                              fix="a text file holding the prompt, or - to read standard input")  # fmt: skip
+        text = path.read_text(encoding="utf-8")
+    text = (text or "").strip()
+    if not text:
+        raise FtcoreError("no prompt given", field="generate.prompt",
+                          fix='generate.prompt="What is 2 + 3?" or generate.prompt_file=PATH')  # fmt: skip
+    return text
+
+
 def generate(cfg: DictConfig) -> str:
+    """Print the answer, alone, on standard output (rank 0); logs go to standard error."""
     from ftcore import trainer
 
     g = cfg.generate
-    if not g.prompt:
-        raise FtcoreError(
-            "no prompt given", field="generate.prompt", fix='generate.prompt="What is 2 + 3?"'
-        )
+    prompt = read_prompt(cfg)
     if g.max_new_tokens < 1:
         raise FtcoreError("max_new_tokens must be >= 1", field="generate.max_new_tokens")
     state = trainer.setup(cfg, data=False, training=False)
     tok = state.tokenizer
-    (ids,) = generate_ids(state, [prompt_ids(state, g.prompt)], max_new_tokens=g.max_new_tokens,
+    (ids,) = generate_ids(state, [prompt_ids(state, prompt)], max_new_tokens=g.max_new_tokens,
                           temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, stop=stop_ids(tok),
                           pad_id=tok.pad_token_id or 0, seed=cfg.run.seed)  # fmt: skip
     text = tok.decode(ids, skip_special_tokens=True)
@@ -337,6 +370,7 @@ def task(cfg: DictConfig) -> int | None:
     # first: on a machine without a GPU nothing else matters
     preflight.require_cuda(cfg, "generate")
     preflight.use_adapter(cfg, training=False)  # an adapter path is loaded, never dropped
+    read_prompt(cfg)  # a missing prompt or prompt file exits 2 before any worker starts
     from ftcore.runtime import dist as rdist
 
     status = rdist.launch_standalone(

@@ -71,8 +71,12 @@ def _adapter_base(adapter: str) -> tuple[str, str] | None:
     base = read_adapter_config(adapter).get("base_model_name_or_path")
     if not base:
         return None
-    if (Path(base).expanduser() / "config.json").is_file():
-        return "hf_path", str(Path(base).expanduser())
+    path = Path(base).expanduser()
+    bundled = path.is_absolute() and path.parent.resolve() == assets_dir().resolve()
+    if bundled and (path / "config.json").is_file():
+        return "init_path", path.name  # a bundled base, written as its absolute path
+    if (path / "config.json").is_file():
+        return "hf_path", str(path)
     if (assets_dir() / base).is_dir() and "/" not in base:
         return "init_path", base
     return None

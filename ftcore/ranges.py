@@ -75,6 +75,7 @@ RANGES: dict[str, Range] = {
     "parallel.vp": AT_LEAST_1,
     "parallel.cp": AT_LEAST_1,
     "train.max_steps": AT_LEAST_1,
+    "train.epochs": Range(0, lo_open=True, note="null = train.max_steps decides"),
     "train.global_batch_size": AT_LEAST_1,
     "train.micro_batch_size": AT_LEAST_1,
     "train.grad_clip": Range(0, note="0 = no clipping"),

@@ -50,7 +50,7 @@ def setup(cfg: DictConfig, *, data: bool = True, training: bool = True) -> Train
     """Build a run. `data=False` leaves state.loader empty (tests feed their own micro-batches);
     `training=False` for evaluation and generation (no held-out split of data.path)."""
     from ftcore import checkpoint, validate
-    from ftcore.data.pipeline import build_train_loader, build_val_batches
+    from ftcore.data.pipeline import build_train_loader, build_val_batches, set_steps_from_epochs
     from ftcore.models.builder import build_model, wrap_ddp
     from ftcore.optim import build_optimizer, build_scheduler
     from ftcore.preset_eval import adapt
@@ -107,17 +107,19 @@ def setup(cfg: DictConfig, *, data: bool = True, training: bool = True) -> Train
         from ftcore.peft.lora import apply_peft
 
         apply_peft(cfg, chunks)
-    # 9. megatron DDP, optimizer over trainable params, LR schedule.
+    # 9. Data: this DP rank's shard of a layout-independent global order. Before the schedule:
+    #    with train.epochs, the step count comes from the data size.
+    dp_rank = ps.get_data_parallel_rank()
+    if data:
+        state.loader = build_train_loader(cfg, state.tokenizer, dp_rank, dp)
+        set_steps_from_epochs(cfg, state.loader.report["rows"])
+        if cfg.eval.interval > 0:
+            state.val_batches = build_val_batches(cfg, state.tokenizer, dp_rank, dp)
+    # 10. megatron DDP, optimizer over trainable params, LR schedule.
     state.model = wrap_ddp(cfg, chunks)
     state.optimizer = build_optimizer(cfg, state.model)
     state.scheduler = build_scheduler(cfg, state.optimizer)
     _wire_model_config(state)
-    # 10. Data: this DP rank's shard of a layout-independent global order.
-    dp_rank = ps.get_data_parallel_rank()
-    if data:
-        state.loader = build_train_loader(cfg, state.tokenizer, dp_rank, dp)
-        if cfg.eval.interval > 0:
-            state.val_batches = build_val_batches(cfg, state.tokenizer, dp_rank, dp)
     # 11. Resume (model, optimizer, schedule, data position, RNG) from checkpoints/latest.
     #     (Stop-request handlers are installed by fit(), for exactly as long as it checks them.)
     checkpoint.maybe_resume(state)

@@ -17,7 +17,9 @@
 #   FTCORE_OUTPUT_DIR     where runs go (default: <submit dir>/outputs); must be on a shared filesystem
 #   FTCORE_RUN_DIR        the run directory itself (default: $FTCORE_OUTPUT_DIR/<exp>/slurm-<job id>)
 #   FTCORE_MAX_REQUEUES   requeues allowed after exit 3 (default 20)
-#   FTCORE_PYTHON         the python that runs ftcore on the nodes (default: python on PATH)
+#   FTCORE_PYTHON         the python that runs ftcore on the nodes (default: the project's venv,
+#                         <repo>/.venv/bin/python, when it exists and no container is used;
+#                         else python on PATH). The job log names the one used.
 #   FTCORE_MODULE         what the workers run (default ftcore.train; e.g. ftcore.eval)
 #   FTCORE_SRUN_ARGS      extra srun flags, e.g. "--mpi=pmix" (none by default: no PMI is needed)
 #   FTCORE_CONTAINER_IMAGE    run the launcher in a container (off by default):
@@ -26,6 +28,23 @@
 #   FTCORE_DRY_RUN=1      print the srun command and the resolved layout of node 0; start nothing
 
 ftcore_log() { echo "ftcore[$(date +%H:%M:%S)]: $*"; }
+
+# The repository this file belongs to (its venv is the default python).
+FTCORE_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+# _ftcore_python: set FTCORE_PY (the python that runs ftcore) and FTCORE_PY_WHY (where it came from):
+# FTCORE_PYTHON if set; else the project's venv, so that `make train`'s install is what runs even
+# when the venv is not active (inside a container the image's python is used instead); else the
+# python on PATH.
+_ftcore_python() {
+	if [[ -n ${FTCORE_PYTHON:-} ]]; then
+		FTCORE_PY=$FTCORE_PYTHON FTCORE_PY_WHY="FTCORE_PYTHON"
+	elif [[ -z ${FTCORE_CONTAINER_IMAGE:-} && -x $FTCORE_REPO/.venv/bin/python ]]; then
+		FTCORE_PY=$FTCORE_REPO/.venv/bin/python FTCORE_PY_WHY="the project's venv; FTCORE_PYTHON overrides it"
+	else
+		FTCORE_PY=python FTCORE_PY_WHY="on PATH: $(command -v python || echo "not found"); FTCORE_PYTHON overrides it"
+	fi
+}
 
 _ftcore_on_signal() {
 	FTCORE_GOT_SIGNAL=$1
@@ -67,7 +86,8 @@ _ftcore_step() {
 ftcore_run() {
 	local exp=${1:?usage: ftcore_run EXP NPROC_PER_NODE [OVERRIDES...]} nproc=${2:?}
 	shift 2
-	local python=${FTCORE_PYTHON:-python}
+	_ftcore_python
+	local python=$FTCORE_PY
 	local module=${FTCORE_MODULE:-ftcore.train}
 	local job=${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)}
 	local out=${FTCORE_OUTPUT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/outputs}
@@ -84,6 +104,7 @@ ftcore_run() {
 	local -a launcher=("${FTCORE_PREFIX[@]}" "$python" -m ftcore.launch.node "${opts[@]}" -- "${overrides[@]}")
 
 	if [[ -n ${FTCORE_DRY_RUN:-} ]]; then
+		ftcore_log "python: $python ($FTCORE_PY_WHY)"
 		printf 'srun command:'
 		printf ' %q' "${srun[@]}" "${launcher[@]}"
 		printf '\n'
@@ -96,6 +117,7 @@ ftcore_run() {
 	exec > >(tee -a "$run_dir/logs/job.log") 2>&1
 	local tee_pid=$!
 	ftcore_log "job $job (restart $restarts) on ${SLURM_JOB_NODELIST:-$(hostname)}: exp=$exp run.dir=$run_dir"
+	ftcore_log "python: $python ($FTCORE_PY_WHY)"
 
 	FTCORE_GOT_SIGNAL="" FTCORE_TERMINATED=0
 	trap '_ftcore_on_signal USR1' USR1
@@ -133,7 +155,9 @@ ftcore_once() {
 	local module=${1:?usage: ftcore_once MODULE [ARGS...]}
 	shift
 	_ftcore_step 1 || return
-	local -a cmd=("${FTCORE_SRUN[@]}" "${FTCORE_PREFIX[@]}" "${FTCORE_PYTHON:-python}" -m "$module" "$@")
+	_ftcore_python
+	local -a cmd=("${FTCORE_SRUN[@]}" "${FTCORE_PREFIX[@]}" "$FTCORE_PY" -m "$module" "$@")
+	ftcore_log "python: $FTCORE_PY ($FTCORE_PY_WHY)"
 	if [[ -n ${FTCORE_DRY_RUN:-} ]]; then
 		printf 'srun command:'
 		printf ' %q' "${cmd[@]}"

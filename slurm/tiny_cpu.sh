@@ -1,8 +1,8 @@
 #!/bin/bash
 # The tiny experiment on CPU nodes (what the SLURM tests run): two workers in all, on one node
 # (sbatch slurm/tiny_cpu.sh) or one on each of two nodes (sbatch --nodes=2 slurm/tiny_cpu.sh),
-# meeting over gloo. It names no partition, account or memory and runs the python on PATH, so it
-# runs on any cluster's defaults. Extra arguments are Hydra overrides, applied last:
+# meeting over gloo. It names no partition, account or memory and runs the project's venv (or the
+# python on PATH when there is none), so it runs on any cluster's defaults. Extra arguments are Hydra overrides, applied last:
 #   sbatch slurm/tiny_cpu.sh train.max_steps=20        FTCORE_EXP=tiny_lora sbatch slurm/tiny_cpu.sh
 #SBATCH --job-name=ftcore-tiny
 #SBATCH --nodes=1

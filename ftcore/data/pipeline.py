@@ -271,6 +271,26 @@ def build_train_loader(cfg, tokenizer, dp_rank: int, dp_size: int) -> TrainLoade
     return loader
 
 
+REPEAT_WARNING = 3  # epochs above which a run is warned that it may memorise its data
+
+
+def set_steps_from_epochs(cfg, rows: int) -> None:
+    """`train.epochs` -> `train.max_steps` (each step takes global_batch_size rows of the stream;
+    a row is one sample, or several packed ones), and a warning when the run repeats its data
+    many times (whether the step count came from epochs or was given)."""
+    t = cfg.train
+    if t.epochs is not None:
+        t.max_steps = max(1, math.ceil(t.epochs * rows / t.global_batch_size))
+    epochs = t.max_steps * t.global_batch_size / max(1, rows)
+    if _rank0():
+        log.info("%d steps x %d rows = %.2f epochs of %d training rows", t.max_steps,
+                 t.global_batch_size, epochs, rows)  # fmt: skip
+        if epochs > REPEAT_WARNING:
+            log.warning("the run repeats its training data %.1f times (more than %d): it may "
+                        "memorise it; fewer steps (train.epochs / train.max_steps) or more data "
+                        "may generalise better", epochs, REPEAT_WARNING)  # fmt: skip
+
+
 def load_prompts(cfg, tokenizer, path: str | None = None) -> list[tuple[list[int], str]]:
     """(prompt ids, expected answer) per record of an instruction/chat file (default: the
     validation data of build_val_batches): the inputs of exact-match accuracy. Bad records follow

@@ -104,6 +104,29 @@ def lora_config(settings, targets: list[str], base: str | None):
                       task_type="CAUSAL_LM", base_model_name_or_path=base)  # fmt: skip
 
 
+def with_umask(root: Path) -> None:
+    """safetensors writes its files 0600 (a private temporary file, renamed into place): give
+    them the mode every other file gets under the user's umask, so a shared run directory stays
+    readable by those it is shared with."""
+    mask = os.umask(0)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    for f in root.rglob("*"):
+        if f.is_file():
+            f.chmod(0o666 & ~mask)
+
+
+def base_reference(cfg) -> str | None:
+    """The base that adapter_config.json names: the absolute path of the weights' directory (a
+    bare folder name would send PEFT to the Hub), or model.hf_path as given when it is not a
+    directory here (a Hub name)."""
+    from ftcore.hf.io import weights_source
+
+    if not (cfg.model.hf_path or cfg.model.init_path):
+        return None
+    path, _ = weights_source(cfg)
+    return str(path.resolve()) if path.is_dir() else str(cfg.model.hf_path)
+
+
 def save_adapter(
     out_dir: Path, sd: dict[str, torch.Tensor], settings, targets: list[str], base
 ) -> None:
@@ -116,6 +139,7 @@ def save_adapter(
     tmp.mkdir(parents=True)
     save_file(sd, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
     lora_config(settings, targets, base).save_pretrained(str(tmp))
+    with_umask(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
 
@@ -131,7 +155,7 @@ def write_hf_adapter(state) -> Path | None:
         return None
     out = Path(state.run_dir) / "hf_adapter"
     sd, targets = to_peft(full)
-    save_adapter(out, sd, s, targets, cfg.model.hf_path or cfg.model.init_path)
+    save_adapter(out, sd, s, targets, base_reference(cfg))
     log.info("wrote the adapter (%d tensors, PEFT format) to %s", len(sd), out)
     return out
 
@@ -254,6 +278,7 @@ def write_merged_model(base_dir, adapter_dir, out_dir) -> Path:
     for f in base_dir.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and not (tmp / f.name).exists():
             shutil.copy2(f, tmp / f.name)
+    with_umask(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     log.info("merged %d adapter modules into %s", len(deltas), out_dir)

@@ -232,6 +232,45 @@ def test_container_flags_are_off_by_default_and_optional(tmp_path):
     assert "apptainer exec --nv" in srun and "--container-image" not in srun
 
 
+def test_scripts_use_the_projects_venv_and_say_so(tmp_path):
+    """Without FTCORE_PYTHON the job runs <repo>/.venv/bin/python when it exists (the venv
+    `make train` made need not be active), else python on PATH; FTCORE_PYTHON still wins; a
+    container uses its image's python. The log names the interpreter."""
+    repo = tmp_path / "repo"
+    shutil.copytree(SLURM, repo / "slurm")
+    venv_py = repo / ".venv" / "bin" / "python"
+    venv_py.parent.mkdir(parents=True)
+    venv_py.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    venv_py.chmod(0o755)
+    script, work = repo / "slurm" / "tiny_cpu.sh", tmp_path / "work"
+    work.mkdir()
+
+    def dry(**extra: str) -> tuple[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FTCORE_"))}
+        env.update(SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="1", SLURM_SUBMIT_DIR=str(work),
+                   FTCORE_SLURM_DIR=str(repo / "slurm"), FTCORE_DRY_RUN="1",
+                   PATH=f"{Path(sys.executable).parent}:{env['PATH']}", **extra)  # fmt: skip
+        r = subprocess.run(["bash", str(script)], env=env, cwd=work, capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+        assert r.returncode == 0, r.stdout + r.stderr
+        srun = next(ln for ln in r.stdout.splitlines() if ln.startswith("srun command:"))
+        said = [ln for ln in r.stdout.splitlines() if "python: " in ln and "ftcore[" in ln]
+        assert len(said) == 1, r.stdout
+        return srun, said[0]
+
+    srun, said = dry()
+    assert f" {venv_py} -m ftcore.launch.node" in srun
+    assert f"python: {venv_py} (the project's venv" in said
+    srun, said = dry(FTCORE_PYTHON=sys.executable)
+    assert f" {sys.executable} -m ftcore.launch.node" in srun and "(FTCORE_PYTHON)" in said
+    srun, said = dry(FTCORE_CONTAINER_IMAGE="nvcr.io#nvidia/pytorch:25.06-py3")
+    assert " python -m ftcore.launch.node" in srun and str(venv_py) not in srun
+    venv_py.unlink()
+    srun, said = dry()
+    assert " python -m ftcore.launch.node" in srun
+    assert f"python: python (on PATH: {Path(sys.executable).parent / 'python'}" in said
+
+
 def test_bench_script_runs_the_bench_once(tmp_path):
     srun, _ = render(SLURM / "bench.sh", 1, 8, tmp_path)
     assert "--ntasks=1" in srun and "-m ftcore.bench +bench=" in srun
