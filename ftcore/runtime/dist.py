@@ -94,7 +94,7 @@ def launch_standalone(
     if nproc == 1:
         return None
     argv = [a for a in sys.argv[1:] if not a.startswith("run.dir=")]
-    argv.append(f"run.dir={decide_run_dir(cfg)}")
+    argv.append(f"run.dir={decide_run_dir(cfg, module.rsplit('.', 1)[-1])}")
     return launch_local_workers(module, argv, nproc)
 
 
@@ -199,12 +199,15 @@ def init_model_parallel(cfg: DictConfig, world: int, *, gloo_groups: bool = True
     )
 
 
-def decide_run_dir(cfg: DictConfig) -> str:
-    """outputs/<exp>/<job id or timestamp>: decided once (rank 0, or the launching parent)."""
+def decide_run_dir(cfg: DictConfig, kind: str = "train") -> str:
+    """outputs/<exp>/<job id or timestamp> for training, outputs/<exp>/<kind>/<...> for eval and
+    generate (so they never sit among the training runs): decided once (rank 0, or the launching
+    parent)."""
     if cfg.run.dir:
         return cfg.run.dir
     job = os.environ.get("SLURM_JOB_ID") or time.strftime("%Y%m%d-%H%M%S")
-    return str(Path("outputs") / cfg.run.exp / job)
+    sub = () if kind == "train" else (kind,)
+    return str(Path("outputs", cfg.run.exp, *sub, job))
 
 
 def broadcast_object(obj, src: int = 0):

