@@ -259,6 +259,7 @@ class ExportConfig:
     merge: bool = False
     dtype: Optional[str] = None  # output dtype; default the checkpoint's
     max_shard_gb: float = 5.0  # size of each safetensors file of hf_model/
+    overwrite: bool = False  # replace an existing export.output (refused otherwise)
 
 
 @dataclass

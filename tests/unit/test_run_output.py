@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["+exp=tiny_lora", "train.max_steps=4", "train.global_batch_size=4", "train.micro_batch_size=2",
          "data.seq_len=64", "eval.accuracy=false", "eval.iters=1"]  # fmt: skip
@@ -33,9 +35,14 @@ def error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def test_train_prints_run_dir_and_a_summary_whose_generate_command_works(tmp_path):
-    run = tmp_path / "run"
-    proc = cli("train", *SHORT, "eval.interval=2", f"run.dir={run}")
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    run = tmp_path_factory.mktemp("trained") / "run"
+    return run, cli("train", *SHORT, "eval.interval=2", f"run.dir={run}")
+
+
+def test_train_prints_run_dir_and_a_summary_whose_generate_command_works(trained, tmp_path):
+    run, proc = trained
     assert proc.returncode == 0, proc.stderr[-3000:]
     err = proc.stderr.splitlines()
     first = next(i for i, ln in enumerate(err) if "run directory:" in ln)
@@ -76,3 +83,20 @@ def test_a_run_that_fails_in_setup_writes_nothing(tmp_path):
     proc = cli("train", *SHORT, "model.vocab_size=64", f"run.dir={run}")
     assert "model.vocab_size" in error_line(proc)
     assert not run.exists()
+
+
+def test_export_says_what_it_wrote_and_does_not_overwrite(trained):
+    run, proc = trained
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    adapter = run / "hf_adapter" / "adapter_model.safetensors"
+    before = adapter.stat().st_mtime_ns
+    refused = cli("export", f"export.checkpoint={run}")
+    line = error_line(refused)
+    assert line.startswith(f"ftcore error: export.output: {run / 'hf_adapter'} already exists")
+    assert "export.overwrite=true" in line
+    assert adapter.stat().st_mtime_ns == before  # untouched
+    done = cli("export", f"export.checkpoint={run}", "export.overwrite=true")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"wrote the PEFT adapter of {run / 'checkpoints'}" in done.stderr
+    assert done.stderr.rstrip().endswith(str(run / "hf_adapter"))
+    assert adapter.stat().st_mtime_ns != before
