@@ -38,24 +38,35 @@ def setup_logging() -> None:
 USAGE = """usage: python -m ftcore.{name} [+exp=NAME] [key=value ...] [--cfg job]
 
 Overrides use Hydra syntax: `parallel.tp=2`, `model=llama3_8b`, `+exp=tiny_lora`.
-`--cfg job` prints the composed config and exits. See README.md for every section."""
+`--cfg job` prints the composed config and exits; `--info [all|config|defaults|defaults-tree|
+plugins|searchpath]` prints Hydra's information. See README.md for every section."""
 
 
 def main(name: str, task: Callable[[DictConfig], int | None], argv: list[str] | None = None) -> int:
     """Run `task(cfg)` with the exit-status contract of DESIGN.md; returns the exit status."""
-    from ftcore.config import compose, to_yaml
+    from ftcore.config import HYDRA_INFO, compose, to_yaml
 
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE.format(name=name))
         return EXIT_OK
+    info = None
+    for flag in ("--info", "-i"):  # Hydra's own flag: print what Hydra prints, then exit
+        if flag in argv:
+            i = argv.index(flag)
+            has_arg = i + 1 < len(argv) and argv[i + 1] in HYDRA_INFO
+            info = argv[i + 1] if has_arg else "all"
+            del argv[i : i + 1 + has_arg]
     print_cfg = False
     if "--cfg" in argv:
         i = argv.index("--cfg")
         print_cfg = True
         del argv[i : i + 2 if i + 1 < len(argv) and not argv[i + 1].count("=") else i + 1]
     try:
+        if info is not None:
+            compose(argv, info=info)
+            return EXIT_OK
         cfg = compose(argv)
         if print_cfg:
             print(to_yaml(cfg), end="")

@@ -100,3 +100,26 @@ def test_export_says_what_it_wrote_and_does_not_overwrite(trained):
     assert f"wrote the PEFT adapter of {run / 'checkpoints'}" in done.stderr
     assert done.stderr.rstrip().endswith(str(run / "hf_adapter"))
     assert adapter.stat().st_mtime_ns != before
+
+
+@pytest.mark.parametrize(
+    "typo, key, nearest",
+    [
+        ("peft.rank=4", "peft.rank", "peft.r"),
+        ("train.max_step=4", "train.max_step", "train.max_steps"),
+        ("pef.r=4", "pef", "peft"),
+    ],
+)
+def test_a_typo_gets_the_nearest_key(typo, key, nearest):
+    line = error_line(cli("train", "+exp=tiny_lora", typo))
+    assert line.startswith(f"ftcore error: {key}: "), line
+    assert f"(did you mean {nearest}?)" in line, line
+
+
+def test_info_prints_what_hydra_prints():
+    proc = cli("train", "+exp=tiny_lora", "--info", "defaults")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Defaults List" in proc.stdout and "exp/tiny_lora" in proc.stdout
+    proc = cli("generate", "--info")  # no argument: Hydra's `all`
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("Hydra ") and "Config search path" in proc.stdout
