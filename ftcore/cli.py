@@ -74,7 +74,7 @@ def main(name: str, task: Callable[[DictConfig], int | None], argv: list[str] | 
         status = task(cfg)
         return EXIT_OK if status is None else int(status)
     except FtcoreError as e:
-        print(f"ftcore error: {e}", file=sys.stderr, flush=True)
+        report_user_error(f"ftcore error: {e}")
         return EXIT_USER_ERROR
     except StopRequested as e:
         log.warning(str(e))
@@ -85,6 +85,17 @@ def main(name: str, task: Callable[[DictConfig], int | None], argv: list[str] | 
     except Exception:
         traceback.print_exc()
         return 1
+
+
+def report_user_error(line: str) -> None:
+    """One line on stderr; a local worker (ftcore.runtime.dist.launch_local_workers) hands it to
+    its launcher instead, which prints one rank's line last, after torch elastic's report."""
+    errors = os.environ.get("FTCORE_WORKER_ERROR_DIR")
+    if errors and os.path.isdir(errors) and "RANK" in os.environ:
+        with open(os.path.join(errors, f"rank{os.environ['RANK']}"), "w") as f:
+            f.write(line + "\n")
+        return
+    print(line, file=sys.stderr, flush=True)
 
 
 def run(name: str, task: Callable[[DictConfig], int | None]) -> None:

@@ -123,3 +123,16 @@ def test_info_prints_what_hydra_prints():
     proc = cli("generate", "--info")  # no argument: Hydra's `all`
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("Hydra ") and "Config search path" in proc.stdout
+
+
+@pytest.mark.dist
+def test_an_error_found_by_two_workers_is_printed_once_as_the_last_line(tmp_path):
+    from tests.tiny import TINY
+
+    run = tmp_path / "run"  # the tokenizer check runs in the workers, after the launch
+    proc = cli("train", *TINY, "launcher.nproc_per_node=2", "model.vocab_size=64", f"run.dir={run}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("ftcore error:") == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ftcore error: model.vocab_size: the tokenizer has"), last
+    assert not run.exists()
