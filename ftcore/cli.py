@@ -38,24 +38,35 @@ def setup_logging() -> None:
 USAGE = """usage: python -m ftcore.{name} [+exp=NAME] [key=value ...] [--cfg job]
 
 Overrides use Hydra syntax: `parallel.tp=2`, `model=llama3_8b`, `+exp=tiny_lora`.
-`--cfg job` prints the composed config and exits. See README.md for every section."""
+`--cfg job` prints the composed config and exits; `--info [all|config|defaults|defaults-tree|
+plugins|searchpath]` prints Hydra's information. See README.md for every section."""
 
 
 def main(name: str, task: Callable[[DictConfig], int | None], argv: list[str] | None = None) -> int:
     """Run `task(cfg)` with the exit-status contract of DESIGN.md; returns the exit status."""
-    from ftcore.config import compose, to_yaml
+    from ftcore.config import HYDRA_INFO, compose, to_yaml
 
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE.format(name=name))
         return EXIT_OK
+    info = None
+    for flag in ("--info", "-i"):  # Hydra's own flag: print what Hydra prints, then exit
+        if flag in argv:
+            i = argv.index(flag)
+            has_arg = i + 1 < len(argv) and argv[i + 1] in HYDRA_INFO
+            info = argv[i + 1] if has_arg else "all"
+            del argv[i : i + 1 + has_arg]
     print_cfg = False
     if "--cfg" in argv:
         i = argv.index("--cfg")
         print_cfg = True
         del argv[i : i + 2 if i + 1 < len(argv) and not argv[i + 1].count("=") else i + 1]
     try:
+        if info is not None:
+            compose(argv, info=info)
+            return EXIT_OK
         cfg = compose(argv)
         if print_cfg:
             print(to_yaml(cfg), end="")
@@ -63,7 +74,7 @@ def main(name: str, task: Callable[[DictConfig], int | None], argv: list[str] | 
         status = task(cfg)
         return EXIT_OK if status is None else int(status)
     except FtcoreError as e:
-        print(f"ftcore error: {e}", file=sys.stderr, flush=True)
+        report_user_error(f"ftcore error: {e}")
         return EXIT_USER_ERROR
     except StopRequested as e:
         log.warning(str(e))
@@ -74,6 +85,17 @@ def main(name: str, task: Callable[[DictConfig], int | None], argv: list[str] | 
     except Exception:
         traceback.print_exc()
         return 1
+
+
+def report_user_error(line: str) -> None:
+    """One line on stderr; a local worker (ftcore.runtime.dist.launch_local_workers) hands it to
+    its launcher instead, which prints one rank's line last, after torch elastic's report."""
+    errors = os.environ.get("FTCORE_WORKER_ERROR_DIR")
+    if errors and os.path.isdir(errors) and "RANK" in os.environ:
+        with open(os.path.join(errors, f"rank{os.environ['RANK']}"), "w") as f:
+            f.write(line + "\n")
+        return
+    print(line, file=sys.stderr, flush=True)
 
 
 def run(name: str, task: Callable[[DictConfig], int | None]) -> None:

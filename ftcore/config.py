@@ -7,7 +7,9 @@ Semantic checks live in `ftcore.validate`, which runs them in the pinned order.
 
 from __future__ import annotations
 
+import difflib
 import importlib.resources
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -265,6 +267,7 @@ class ExportConfig:
     merge: bool = False
     dtype: Optional[str] = None  # output dtype; default the checkpoint's
     max_shard_gb: float = 5.0  # size of each safetensors file of hf_model/
+    overwrite: bool = False  # replace an existing export.output (refused otherwise)
 
 
 @dataclass
@@ -325,8 +328,12 @@ def _register_schema() -> None:
     cs.store(name="ftcore_schema", node=FtcoreConfig)
 
 
-def compose(overrides: list[str]) -> DictConfig:
-    """Compose conf/config.yaml with command-line overrides; Hydra errors become FtcoreError."""
+HYDRA_INFO = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+
+
+def compose(overrides: list[str], info: str | None = None) -> DictConfig | None:
+    """Compose conf/config.yaml with command-line overrides; Hydra errors become FtcoreError.
+    With `info` (one of HYDRA_INFO): print what Hydra's `--info INFO` prints instead, return None."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -337,6 +344,10 @@ def compose(overrides: list[str]) -> DictConfig:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            if info is not None:
+                logging.getLogger().handlers.clear()  # Hydra logs it to stdout, once
+                GlobalHydra.instance().hydra.show_info(info, "config", list(overrides))
+                return None
             cfg = hydra_compose(config_name="config", overrides=list(overrides))
     # OmegaConf re-raises some merge errors as the builtin type with the key attached (a dict
     # merged into a null section: AttributeError; a key set under one: AssertionError): all of
@@ -386,7 +397,31 @@ def _one_line_hydra_error(e: BaseException) -> str:
     if "Could not find" in msg:
         options = [ln for ln in lines[2:] if not ln.startswith(("Config search", "provider="))]
         msg += f" (options: {', '.join(options)})" if options else ""
+    nearest = nearest_key(key) if key and "not in" in msg else None
+    msg += f" (did you mean {nearest}?)" if nearest else ""
     return f"{key}: {msg}" if key else f"config error: {msg}"
+
+
+def nearest_key(full_key: str) -> str | None:
+    """The schema key closest to a mistyped one (`peft.rank` -> `peft.r`): the first unknown part
+    of the dotted key is matched (difflib, plus a bonus for a shared prefix) against its section."""
+    node, parts = OmegaConf.structured(FtcoreConfig), full_key.split(".")
+    for i, part in enumerate(parts):
+        if not isinstance(node, DictConfig):
+            return None
+        keys = [str(k) for k in node.keys()]
+        if part not in keys:
+            best = max(keys, key=lambda k: _likeness(part, k), default=None)
+            if best is None or _likeness(part, best) < 0.6:
+                return None
+            return ".".join([*parts[:i], best])
+        node = node._get_node(part)
+    return None
+
+
+def _likeness(typed: str, key: str) -> float:
+    prefix = key.startswith(typed) or typed.startswith(key)  # `rank` for `r`, `max_step` for ...
+    return difflib.SequenceMatcher(None, typed, key).ratio() + (0.3 if prefix else 0.0)
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -32,7 +32,7 @@ def evaluate(cfg: DictConfig, state=None) -> dict:
     from ftcore import trainer
     from ftcore.data.pipeline import build_val_batches
 
-    state = state or trainer.setup(cfg, data=False, training=False)
+    state = state or trainer.setup(cfg, data=False, kind="eval")
     batches = build_val_batches(state.cfg, state.tokenizer, ps.get_data_parallel_rank(), state.dp,
                                 path=state.cfg.data.path or None)  # fmt: skip
     if not batches:

@@ -9,12 +9,15 @@ to `<run.dir>/hf_model`. A LoRA run's (adapter-only) checkpoint goes to ftcore.p
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from ftcore.cli import run
 from ftcore.errors import FtcoreError
+
+log = logging.getLogger("ftcore")
 
 
 def resolve_step_dir(path: str) -> Path:
@@ -71,18 +74,27 @@ def task(cfg: DictConfig) -> int | None:
     step_dir = resolve_step_dir(cfg.export.checkpoint)
     run_cfg = run_config(step_dir)
     run_dir = step_dir.parent.parent
-    if run_cfg.peft.get("name", "none") != "none":  # LoRA checkpoints hold the adapters only
+    adapter = run_cfg.peft.get("name", "none") != "none"  # LoRA checkpoints hold the adapters only
+    default = run_dir / ("hf_adapter" if adapter and not cfg.export.merge else "hf_model")
+    out = Path(cfg.export.output or default)
+    check_output(out, cfg.export.overwrite)
+    if adapter:
         from ftcore.peft.export import export_adapter_checkpoint
 
-        default = run_dir / ("hf_model" if cfg.export.merge else "hf_adapter")
-        export_adapter_checkpoint(
-            step_dir, run_cfg, cfg.export.output or str(default), merge=cfg.export.merge
-        )
-        return None
-    out = cfg.export.output or str(run_dir / "hf_model")
-    export_checkpoint(step_dir, run_cfg, out, dtype=cfg.export.dtype, max_shard_gb=cfg.export.max_shard_gb,
-                      transform=merge_transform(cfg, run_cfg, step_dir))  # fmt: skip
+        export_adapter_checkpoint(step_dir, run_cfg, str(out), merge=cfg.export.merge)
+    else:
+        export_checkpoint(step_dir, run_cfg, str(out), dtype=cfg.export.dtype, max_shard_gb=cfg.export.max_shard_gb,
+                          transform=merge_transform(cfg, run_cfg, step_dir))  # fmt: skip
+    what = "PEFT adapter" if adapter and not cfg.export.merge else "Hugging Face model"
+    log.info("wrote the %s of %s to %s", what, step_dir, out)
     return None
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    """An existing export (e.g. the hf_model/ a run wrote at its end) is replaced only when asked."""
+    if out.exists() and not overwrite:
+        raise FtcoreError(f"{out} already exists", field="export.output",
+                          fix="export.output=NEW_DIR, or export.overwrite=true to replace it")  # fmt: skip
 
 
 if __name__ == "__main__":

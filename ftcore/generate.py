@@ -353,7 +353,7 @@ def generate(cfg: DictConfig) -> str:
     prompt = read_prompt(cfg)
     if g.max_new_tokens < 1:
         raise FtcoreError("max_new_tokens must be >= 1", field="generate.max_new_tokens")
-    state = trainer.setup(cfg, data=False, training=False)
+    state = trainer.setup(cfg, data=False, kind="generate")
     tok = state.tokenizer
     (ids,) = generate_ids(state, [prompt_ids(state, prompt)], max_new_tokens=g.max_new_tokens,
                           temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, stop=stop_ids(tok),

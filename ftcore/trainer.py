@@ -46,9 +46,10 @@ class TrainState:
     after_step: list = field(default_factory=list)  # fn(state) after each step, outside its time
 
 
-def setup(cfg: DictConfig, *, data: bool = True, training: bool = True) -> TrainState:
-    """Build a run. `data=False` leaves state.loader empty (tests feed their own micro-batches);
-    `training=False` for evaluation and generation (no held-out split of data.path)."""
+def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainState:
+    """Build a run. `data=False` leaves state.loader empty (tests feed their own micro-batches).
+    `kind` ("train", "eval", "generate"): eval and generate take no held-out split of data.path,
+    keep out of the training runs' folder (rdist.decide_run_dir) and write no config.yaml."""
     from ftcore import checkpoint, validate
     from ftcore.data.pipeline import build_train_loader, build_val_batches, set_steps_from_epochs
     from ftcore.models.builder import build_model, wrap_ddp
@@ -56,6 +57,7 @@ def setup(cfg: DictConfig, *, data: bool = True, training: bool = True) -> Train
     from ftcore.preset_eval import adapt
     from ftcore.tokenizer import load_tokenizer
 
+    training = kind == "train"
     # 1. HF shapes first, so every check below sees the real model; a preset's evaluation fitted
     #    to the user's data (logged once, by rank 0).
     if cfg.model.hf_path:
@@ -76,13 +78,10 @@ def setup(cfg: DictConfig, *, data: bool = True, training: bool = True) -> Train
     torch.manual_seed(cfg.run.seed)
     with cpu.device_mode():
         model_parallel_cuda_manual_seed(cfg.run.seed)
-    # 5. One run directory for all ranks.
-    cfg.run.dir = rdist.broadcast_object(rdist.decide_run_dir(cfg))
+    # 5. One run directory for all ranks (created at step 11, once setup has succeeded).
+    cfg.run.dir = rdist.broadcast_object(rdist.decide_run_dir(cfg, kind))
     run_dir = Path(cfg.run.dir)
     state = TrainState(cfg=cfg, info=info, run_dir=run_dir, dp=dp)
-    if info.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     # 6. Tokenizer (its vocab size is the model's unpadded vocab).
     state.tokenizer = load_tokenizer(cfg)
     if len(state.tokenizer) > cfg.model.vocab_size:
@@ -120,7 +119,13 @@ def setup(cfg: DictConfig, *, data: bool = True, training: bool = True) -> Train
     state.optimizer = build_optimizer(cfg, state.model)
     state.scheduler = build_scheduler(cfg, state.optimizer)
     _wire_model_config(state)
-    # 11. Resume (model, optimizer, schedule, data position, RNG) from checkpoints/latest.
+    # 11. The run directory and its config.yaml, only now: a run that fails above writes nothing.
+    #     generate writes nothing at all (its output is the text); eval its eval.json later.
+    if info.rank == 0 and kind == "train":
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        log.info("run directory: %s", run_dir)
+    # 12. Resume (model, optimizer, schedule, data position, RNG) from checkpoints/latest.
     #     (Stop-request handlers are installed by fit(), for exactly as long as it checks them.)
     checkpoint.maybe_resume(state)
     return state
@@ -282,9 +287,12 @@ def fit(state: TrainState) -> None:
             }
             record.update(metrics_mod.throughput_fields(cfg, record["tokens_per_s_per_gpu"]))
             writer.write(record)
+            state.extra["last_loss"] = out["loss"]
             t0 = time.perf_counter()
             if cfg.eval.interval and state.step % cfg.eval.interval == 0 and state.val_batches:
-                writer.write({"step": state.step, "eval_loss": evaluate(state)})
+                val = evaluate(state)
+                writer.write({"step": state.step, "eval_loss": val})
+                state.extra.setdefault("eval_losses", []).append((state.step, val))
             checkpoint.poll(state)  # publish a finished background save (GPU)
             if cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0:
                 checkpoint.save(state)
@@ -317,8 +325,36 @@ def finish(state: TrainState) -> None:
     if cfg.peft.name != "none":
         from ftcore.peft.export import write_hf_adapter
 
-        write_hf_adapter(state)
+        out = write_hf_adapter(state)
     else:
         from ftcore.hf.export import write_hf_model
 
-        write_hf_model(state)
+        out = write_hf_model(state)
+    if state.info.rank == 0:
+        for line in summary(state, out):
+            log.info("%s", line)
+
+
+def summary(state: TrainState, hf_out: Path | None) -> list[str]:
+    """The end-of-run lines: what was trained, how it went, where everything is, what to run next."""
+    cfg, run_dir = state.cfg, state.run_dir
+    lines = [f"done: {state.step} steps; run directory {run_dir}"]
+    if "last_loss" in state.extra:
+        lines.append(f"  final training loss {state.extra['last_loss']:.4f}")
+    evals = state.extra.get("eval_losses", [])
+    if evals:
+        best_step, best = min(evals, key=lambda e: e[1])
+        lines.append(
+            f"  validation loss: final {evals[-1][1]:.4f}, best {best:.4f} (step {best_step})"
+        )
+    ckpt = run_dir / "checkpoints"
+    if ckpt.is_dir():
+        lines.append(f"  checkpoints: {ckpt}")
+    if hf_out is not None:
+        lora = cfg.peft.name != "none"
+        lines.append(f"  {'adapter (PEFT)' if lora else 'model (HF)'}: {hf_out}")
+        base = f" model.hf_path={cfg.model.hf_path}" if lora and cfg.model.hf_path else ""
+        use = f"peft.adapter_path={hf_out}" if lora else f"model.hf_path={hf_out}"
+        lines.append(f"  generate with: python -m ftcore.generate +exp={cfg.run.exp}{base} {use}"
+                     " 'generate.prompt=\"...\"'")  # fmt: skip
+    return lines

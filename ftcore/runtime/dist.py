@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -94,7 +95,7 @@ def launch_standalone(
     if nproc == 1:
         return None
     argv = [a for a in sys.argv[1:] if not a.startswith("run.dir=")]
-    argv.append(f"run.dir={decide_run_dir(cfg)}")
+    argv.append(f"run.dir={decide_run_dir(cfg, module.rsplit('.', 1)[-1])}")
     return launch_local_workers(module, argv, nproc)
 
 
@@ -118,15 +119,33 @@ def launch_local_workers(module: str, argv: list[str], nproc: int) -> int:
         monitor_interval=0.2,
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads(nproc)))
-    try:
-        elastic_launch(config, entrypoint=sys.executable)("-u", "-m", module, *argv)
-        return 0
-    except ChildFailedError as e:
-        codes = [f.exitcode for f in e.failures.values()]
-        for wanted in (2, 3):  # a user error or a requeue request is what the user must see
-            if wanted in codes:
-                return wanted
-        return next((c for c in codes if c not in (0, None)), 1) if codes else 1
+    with tempfile.TemporaryDirectory(prefix="ftcore-errors-") as errors:
+        # Workers leave their user error here instead of printing it (ftcore.cli), so that it is
+        # shown once, after torch elastic's own failure report, as the last line on screen.
+        os.environ[ERROR_DIR_ENV] = errors
+        try:
+            elastic_launch(config, entrypoint=sys.executable)("-u", "-m", module, *argv)
+            return 0
+        except ChildFailedError as e:
+            codes = [f.exitcode for f in e.failures.values()]
+            for wanted in (2, 3):  # a user error or a requeue request is what the user must see
+                if wanted in codes:
+                    if wanted == 2:
+                        _print_first_error(Path(errors))
+                    return wanted
+            return next((c for c in codes if c not in (0, None)), 1) if codes else 1
+        finally:
+            os.environ.pop(ERROR_DIR_ENV, None)
+
+
+ERROR_DIR_ENV = "FTCORE_WORKER_ERROR_DIR"
+
+
+def _print_first_error(errors: Path) -> None:
+    """The lowest rank's error line (every rank usually finds the same one)."""
+    files = sorted(errors.glob("rank*"), key=lambda f: int(f.name[4:]))
+    if files:
+        print(files[0].read_text().strip(), file=sys.stderr, flush=True)
 
 
 def init_distributed(cfg: DictConfig) -> DistInfo:
@@ -199,12 +218,15 @@ def init_model_parallel(cfg: DictConfig, world: int, *, gloo_groups: bool = True
     )
 
 
-def decide_run_dir(cfg: DictConfig) -> str:
-    """outputs/<exp>/<job id or timestamp>: decided once (rank 0, or the launching parent)."""
+def decide_run_dir(cfg: DictConfig, kind: str = "train") -> str:
+    """outputs/<exp>/<job id or timestamp> for training, outputs/<exp>/<kind>/<...> for eval and
+    generate (so they never sit among the training runs): decided once (rank 0, or the launching
+    parent)."""
     if cfg.run.dir:
         return cfg.run.dir
     job = os.environ.get("SLURM_JOB_ID") or time.strftime("%Y%m%d-%H%M%S")
-    return str(Path("outputs") / cfg.run.exp / job)
+    sub = () if kind == "train" else (kind,)
+    return str(Path("outputs", cfg.run.exp, *sub, job))
 
 
 def broadcast_object(obj, src: int = 0):
