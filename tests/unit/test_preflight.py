@@ -5,9 +5,6 @@ one), and every path checked before anything is built. Each case: the exit statu
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,25 +15,10 @@ from ftcore.errors import FtcoreError
 from ftcore.peft.layers import Geometry
 from ftcore.peft.lora import LoraSettings
 from ftcore.validate import validate
+from tests.cli import cli, error_line  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the refusal without CUDA")
-
-
-def cli(module: str, *argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
-    env["FTCORE_LOG_LEVEL"] = "INFO"  # what a user sees (the suite's default is WARNING)
-    return subprocess.run([sys.executable, "-m", f"ftcore.{module}", *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
-
-
-def error_line(proc: subprocess.CompletedProcess) -> str:
-    """The one `ftcore error:` line, with exit 2 and no traceback."""
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("ftcore error:")]
-    assert len(lines) == 1, proc.stderr[-3000:]
-    return lines[0]
 
 
 def tiny_adapter(path: Path, base: str | None = "tiny_base", std: float = 0.5) -> Path:

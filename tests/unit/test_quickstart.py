@@ -8,22 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.cli import cli, error_line  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def cli(module: str, *argv: str, timeout: int = 300, **kw) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
-    env["FTCORE_LOG_LEVEL"] = "INFO"  # what a user sees (the suite's default is WARNING)
-    return subprocess.run([sys.executable, "-m", f"ftcore.{module}", *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout, **kw)  # fmt: skip
-
-
-def error_line(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("ftcore error:")]
-    assert len(lines) == 1, proc.stderr[-3000:]
-    return lines[0]
 
 
 def test_prompt_from_file_or_stdin_and_stdout_is_the_answer_alone(tmp_path):

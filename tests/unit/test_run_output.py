@@ -5,34 +5,17 @@ it wrote and does not overwrite; a typo gets the nearest key."""
 
 from __future__ import annotations
 
-import os
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli import cli, error_line  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["+exp=tiny_lora", "train.max_steps=4", "train.global_batch_size=4", "train.micro_batch_size=2",
          "data.seq_len=64", "eval.accuracy=false", "eval.iters=1"]  # fmt: skip
-
-
-def cli(
-    module: str, *argv: str, cwd: Path = ROOT, timeout: int = 300
-) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
-    env["FTCORE_LOG_LEVEL"] = "INFO"  # what a user sees (the suite's default is WARNING)
-    return subprocess.run([sys.executable, "-m", f"ftcore.{module}", *argv], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
-
-
-def error_line(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("ftcore error:")]
-    assert len(lines) == 1, proc.stderr[-3000:]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
