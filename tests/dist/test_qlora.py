@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.dist.hf_helpers import compose_hf, load_case, make_tiny_hf, tokens
+from tests.dist.hf_memory_probe import _reset_peak, _status  # the probe's RSS readers
 
 RTOL = 1e-5
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -140,19 +141,6 @@ def test_qlora_trains_at_tp2_with_tp1_losses(pool1, pool2, tiny, tmp_path):
     assert one[-1] < one[0]
     rel = max(abs(a - b) / b for a, b in zip(two[0], one))
     assert rel <= RTOL, f"TP=2 losses {two[0]} vs TP=1 {one} ({rel:.1e})"
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := the current RSS
 
 
 def setup_peak_case(hf_dir: str, run_dir: str) -> dict:
