@@ -5,8 +5,8 @@
 # TE >= 2.7; 25.06 shipped an older one). 25.11 ships TE 2.9, CUDA 13.0, torch 2.10, Python 3.12:
 # NGC PyTorch release notes, docs.nvidia.com/deeplearning/frameworks/pytorch-release-notes/rel-25-11.html
 # (Megatron-Bridge's CI image moved to 25.11 too). Pin and TE are checked by tests/unit/test_container.py
-# against ftcore/ngc.py's table, and by `python -m ftcore.ngc` below against the TE really installed.
-# Another base: add its row to ftcore/ngc.py, then `docker build --build-arg BASE_IMAGE=...`.
+# against ftcore/precision/ngc.py's table, and by `python -m ftcore.precision.ngc` below against the TE really installed.
+# Another base: add its row to ftcore/precision/ngc.py, then `docker build --build-arg BASE_IMAGE=...`.
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3
 FROM ${BASE_IMAGE}
 
@@ -31,7 +31,7 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # 2. Install ftcore without dependencies, then its dependencies minus torch and Transformer Engine
 #    (the image's builds are the `gpu` extra here; TE from PyPI would be a second, mismatched copy).
 # 3. Check that torch and Transformer Engine are the very same versions afterwards, and that this
-#    Transformer Engine runs every precision recipe ftcore ships (ftcore.ngc).
+#    Transformer Engine runs every precision recipe ftcore ships (ftcore.precision.ngc).
 RUN pip list --format=freeze \
       | grep -i -E '^(torch[a-z]*|triton|transformer[-_]engine[-_a-z]*|flash[-_]attn[a-z0-9_-]*|apex|numpy|nvidia-[a-z0-9-]+|cuda-[a-z0-9-]+)==' \
       > /tmp/image-constraints.txt \
@@ -41,8 +41,8 @@ RUN pip list --format=freeze \
       > /tmp/ftcore-deps.txt \
  && pip install --no-cache-dir -c /tmp/image-constraints.txt -r /tmp/ftcore-deps.txt \
  && pip list --format=freeze | grep -i -E '^(torch|transformer[-_]engine[-_a-z]*)==' | diff /tmp/kept.txt - \
- && python -c "import ftcore.launch.node, ftcore.config, megatron.core; print('ftcore ready')" \
- && python -m ftcore.ngc
+ && python -c "import ftcore.launch.node, ftcore.config.schema, megatron.core; print('ftcore ready')" \
+ && python -m ftcore.precision.ngc
 
 WORKDIR /workspace
 CMD ["python", "-m", "ftcore.train", "--help"]

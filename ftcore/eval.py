@@ -4,7 +4,7 @@
 Writes `{"loss", "tokens", "ppl"}` (tokens = target tokens), plus `accuracy` (greedy exact match,
 ftcore.generate) with `eval.accuracy=true`, to eval.output (default `<run.dir>/eval.json`). Runs under any layout (TP/PP/DP) and launches exactly as train does: under
 torchrun/srun, or alone with `launcher.nproc_per_node` local workers. Padded vocab entries are masked
-out of the loss (ftcore.step), so the number is the model's own.
+out of the loss (ftcore.training.step), so the number is the model's own.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def evaluate(cfg: DictConfig, state=None) -> dict:
     """Every rank: the loss over data.path (or the validation data) with this run's model."""
     from megatron.core import parallel_state as ps
 
-    from ftcore import trainer
     from ftcore.data.pipeline import build_val_batches
+    from ftcore.training import trainer
 
     state = state or trainer.setup(cfg, data=False, kind="eval")
     batches = build_val_batches(state.cfg, state.tokenizer, ps.get_data_parallel_rank(), state.dp,
@@ -51,7 +51,7 @@ def evaluate(cfg: DictConfig, state=None) -> dict:
     loss = total / tokens
     result = {"loss": loss, "tokens": int(tokens), "ppl": math.exp(min(loss, 700.0))}
     if state.cfg.eval.accuracy:  # greedy exact match on the same (instruction/chat) data
-        from ftcore.generate import exact_match
+        from ftcore.inference.exact_match import exact_match
 
         acc = exact_match(state, state.cfg.data.path or None, max_samples=cfg.eval.max_samples)
         result["accuracy"] = acc["accuracy"]
@@ -72,7 +72,7 @@ def evaluate(cfg: DictConfig, state=None) -> dict:
 
 
 def task(cfg: DictConfig) -> int | None:
-    from ftcore import preflight, validate
+    from ftcore.config import checks, preflight
 
     # first: on a machine without a GPU nothing else matters
     preflight.require_cuda(cfg, "eval")
@@ -80,7 +80,7 @@ def task(cfg: DictConfig) -> int | None:
     from ftcore.runtime import dist as rdist
 
     status = rdist.launch_standalone(
-        cfg, "ftcore.eval", functools.partial(validate.check_for_launch, training=False)
+        cfg, "ftcore.eval", functools.partial(checks.check_for_launch, training=False)
     )
     if status is not None:
         return status

@@ -51,7 +51,7 @@ def merge_transform(cfg: DictConfig, run_cfg: DictConfig, step_dir: Path):
     """export.merge=true: fold LoRA adapters into the base weights (provided by ftcore.peft)."""
     if not cfg.export.merge:
         return None
-    from ftcore.precision import check_merge
+    from ftcore.precision.recipes import check_merge
 
     check_merge(run_cfg)  # an FP8/FP4-trained base would round the low-rank update away
     try:
@@ -64,8 +64,8 @@ def merge_transform(cfg: DictConfig, run_cfg: DictConfig, step_dir: Path):
 
 
 def task(cfg: DictConfig) -> int | None:
+    from ftcore.config.ranges import check_ranges
     from ftcore.hf.export import export_checkpoint
-    from ftcore.ranges import check_ranges
 
     check_ranges(cfg)
     if not cfg.export.checkpoint:

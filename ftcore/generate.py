@@ -1,314 +1,17 @@
 """`python -m ftcore.generate +exp=NAME [model.hf_path=DIR] [peft.adapter_path=DIR]
 generate.prompt="..." [generate.max_new_tokens=N] [generate.temperature=T]`: the chat template is
-applied to the prompt, then tokens are decoded greedily (temperature 0) or sampled (temperature,
-top-k, top-p), under any layout. Also exact-match accuracy on instruction data with checkable
-answers (`eval.accuracy`).
-
-Decoding runs megatron's own forward-only schedule, so TP/PP work unchanged. With megatron's KV
-cache (StaticInferenceContext) the prompts are read once and each later forward feeds one new
-position per row; under sequence or context parallelism (which shard the sequence) each step
-recomputes the whole prefix instead: same tokens, O(length^2). The next tokens are chosen on the
-last pipeline stage (full-vocab logits, padded vocab masked) and shared with every rank.
+applied to the prompt and the answer alone is printed on standard output. The decoding itself
+lives in ftcore/inference/generation.py.
 """
 
 from __future__ import annotations
 
-import logging
 from functools import partial
 
-import torch
-import torch.distributed as dist
-from megatron.core import parallel_state as ps
-from megatron.core import tensor_parallel
 from omegaconf import DictConfig
 
 from ftcore.cli import run
 from ftcore.errors import FtcoreError
-from ftcore.runtime import dist as rdist
-
-log = logging.getLogger("ftcore")
-STOP_TOKENS = ("<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "</s>")
-
-
-def stop_ids(tokenizer) -> set[int]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    vocab = tokenizer.get_vocab()
-    return ids | {vocab[t] for t in STOP_TOKENS if t in vocab}
-
-
-def _next_token_step(positions: torch.Tensor, vocab: int, data_iterator, model):
-    """Forward one batch; on the last stage, full-vocab logits at each row's current position."""
-    from ftcore.data.pipeline import attention_mask_from_segments
-    from ftcore.runtime import cpu
-
-    tokens = next(data_iterator)
-    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-    mask = attention_mask_from_segments(torch.ones_like(tokens, dtype=torch.int32))
-    device = next(model.parameters()).device
-    with cpu.mode_suspended():
-        out = model(tokens.to(device), pos.to(device), mask.to(device))
-
-    def pick(output):
-        rows = output[torch.arange(output.shape[0]), positions.to(output.device)]  # [b, v/tp]
-        full = tensor_parallel.gather_from_tensor_model_parallel_region(rows.float())[:, :vocab]
-        return torch.zeros(()), torch.tensor(1, dtype=torch.int), {"logits": full.detach()}
-
-    return out, pick
-
-
-def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The logits with every token outside the nucleus at -inf: the nucleus is the fewest most
-    likely tokens whose probability reaches `top_p` (nucleus sampling; transformers' TopPLogitsWarper
-    keeps the same set). top_p >= 1 keeps every token."""
-    if top_p >= 1:
-        return logits
-    ranked, order = logits.sort(-1, descending=True)
-    probs = ranked.softmax(-1)
-    drop = probs.cumsum(-1) - probs >= top_p  # the tokens before it already reach top_p
-    drop[..., 0] = False  # the most likely token always stays
-    ranked = ranked.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, ranked)
-
-
-def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-            gen: torch.Generator) -> torch.Tensor:  # fmt: skip
-    """Greedy at temperature 0; else temperature, then top-k, then top-p (transformers' order)."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    logits = logits / temperature
-    if top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    logits = nucleus(logits, top_p)
-    return torch.multinomial(logits.softmax(-1).cpu(), 1, generator=gen).squeeze(-1)
-
-
-def _share(ids: torch.Tensor, chooser: bool) -> torch.Tensor:
-    """The chooser rank's tokens on every rank (others add zeros), on the host."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return ids.to(torch.int64).cpu()
-    t = ids if chooser else torch.zeros_like(ids)
-    t = t.to(device=rdist.comm_device(), dtype=torch.int64)
-    dist.all_reduce(t)
-    return t.cpu()
-
-
-def kv_cache_applies(cfg) -> bool:
-    """The KV cache needs one new position per forward: sequence parallelism shards the sequence
-    over TP ranks (a 1-token step cannot split) and context parallelism shards it over CP ranks,
-    so those layouts keep recomputing the prefix (same tokens, O(length^2))."""
-    return not cfg.parallel.sp and cfg.parallel.cp == 1
-
-
-def _forward(state, step, width: int, batch: int, tokens: torch.Tensor):
-    """megatron's forward-only schedule over one micro-batch of `tokens`: the last stage's dict."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from ftcore.runtime import cpu
-    from ftcore.step import microbatch_iterators
-
-    with cpu.device_mode():
-        res = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=microbatch_iterators([tokens], len(state.model)),
-            model=state.model if len(state.model) > 1 else state.model[0], num_microbatches=1,
-            seq_length=width, micro_batch_size=batch, forward_only=True,
-        )  # fmt: skip
-    return res[0] if res else None
-
-
-def _cached_step(context, vocab: int, data_iterator, model):
-    """Forward only the new positions; attention reads the earlier ones from `context`'s cache
-    (megatron's StaticInferenceContext: keys and values per layer, written at its offset)."""
-    from ftcore.runtime import cpu
-
-    tokens = next(data_iterator)
-    start, width = context.sequence_len_offset, tokens.shape[1]
-    pos = torch.arange(start, start + width).unsqueeze(0).expand_as(tokens)
-    # True = masked out: the new queries see every cached key and, causally, each other
-    mask = torch.ones(width, start + width, dtype=torch.bool).triu(start + 1)[None, None]
-    device = next(model.parameters()).device
-    with cpu.mode_suspended():  # megatron's inference path gathers the TP logits itself
-        out = model(tokens.to(device), pos.to(device), mask.to(device), inference_context=context,
-                    runtime_gather_output=True)  # fmt: skip
-
-    def pick(output):  # only the last position's logits are materialised: [b, 1, padded vocab]
-        full = output[:, -1, :vocab].float().detach()
-        return torch.zeros(()), torch.tensor(1, dtype=torch.int), {"logits": full}
-
-    return out, pick
-
-
-def _decode_cached(state, tokens, lengths, *, max_new_tokens, choose, finish) -> None:
-    """All rows advance one position per forward from the shortest prompt on, with a KV cache:
-    a row still inside its prompt is fed its prompt token (its choice is ignored), the others their
-    chosen token. Finished rows leave the batch and the cache. `choose(logits)` picks for every
-    row fed this step; `finish(i, tok)` takes row i's new token and says whether row i is done."""
-    from megatron.core.inference.contexts import StaticInferenceContext
-
-    n, total = tokens.shape[0], int(lengths.max()) + max_new_tokens
-    context = StaticInferenceContext(max_batch_size=n, max_sequence_length=total)
-    active = torch.arange(n)
-    at = int(lengths.min())  # the position filled next
-    feed = tokens[:, :at]
-    while len(active) and at < total:
-        step = partial(_cached_step, context, state.cfg.model.vocab_size)
-        res = _forward(state, step, feed.shape[1], len(active), feed)
-        picked = choose(res["logits"] if res else None, len(active))
-        context.sequence_len_offset += feed.shape[1]
-        left = []
-        for j, i in enumerate(active.tolist()):
-            if at < lengths[i]:  # still reading its prompt
-                left.append(j)
-            elif not finish(i, int(picked[j])) and at + 1 < lengths[i] + max_new_tokens:
-                tokens[i, at] = int(picked[j])
-                left.append(j)
-        if len(left) < len(active):
-            keep = torch.tensor(left, dtype=torch.long)
-            for layer, (k, v) in list(context.key_value_memory_dict.items()):
-                context.key_value_memory_dict[layer] = (
-                    k[:, keep.to(k.device)],
-                    v[:, keep.to(v.device)],
-                )
-            active = active[keep]
-        feed = tokens[active, at : at + 1]
-        at += 1
-
-
-@torch.no_grad()
-def generate_ids(state, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, stop: set[int] = frozenset(), pad_id: int = 0,
-                 seed: int = 0, keep=None, kv_cache: bool = True) -> list[list[int]]:  # fmt: skip
-    """New token ids for each prompt (stop token excluded). Every rank calls this with the same
-    prompts and gets the same answers. `keep(i, ids)` False ends row i early (exact match: the
-    answer can no longer match). With `kv_cache` (where `kv_cache_applies`) each forward feeds only
-    the new position; without it each recomputes the whole prefix."""
-    cfg = state.cfg
-    vocab = cfg.model.vocab_size
-    multiple = cfg.parallel.tp if cfg.parallel.sp else 1
-    chooser = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
-               and ps.get_data_parallel_rank() == 0)  # fmt: skip
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor([len(p) for p in prompts])
-    total = int(lengths.max()) + max_new_tokens
-    if total > cfg.model.max_position_embeddings:
-        raise FtcoreError(f"prompt + max_new_tokens = {total} exceeds the model's {cfg.model.max_position_embeddings} "
-                          "positions", field="generate.max_new_tokens")  # fmt: skip
-    tokens = torch.full((len(prompts), total + multiple), pad_id, dtype=torch.int64)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = torch.tensor(p)
-    done = torch.zeros(len(prompts), dtype=torch.bool)
-    out: list[list[int]] = [[] for _ in prompts]
-
-    def choose(logits, rows: int) -> torch.Tensor:
-        picked = _choose(logits, temperature, top_k, top_p, gen) if chooser else torch.zeros(rows)
-        return _share(picked, chooser)
-
-    def finish(i: int, tok: int) -> bool:
-        if tok in stop:
-            return True
-        out[i].append(tok)
-        return keep is not None and not keep(i, out[i])
-
-    for chunk in state.model:
-        chunk.eval()
-    try:
-        if kv_cache and kv_cache_applies(cfg):
-            _decode_cached(state, tokens, lengths, max_new_tokens=max_new_tokens, choose=choose,
-                           finish=finish)  # fmt: skip
-            return out
-        for t in range(max_new_tokens):
-            active = (~done).nonzero().flatten()  # finished rows leave the batch
-            if not len(active):
-                break
-            cur = lengths[active] + t  # positions to fill; the logits come from the one before
-            width = -(-int(cur.max()) // multiple) * multiple
-            step = partial(_next_token_step, cur - 1, vocab)
-            res = _forward(state, step, width, len(active), tokens[active, :width])
-            picked = choose(res["logits"] if res else None, len(active))
-            for j, i in enumerate(active.tolist()):
-                tok = int(picked[j])
-                done[i] = finish(i, tok)
-                if not done[i]:
-                    tokens[i, cur[j]] = tok
-    finally:
-        for chunk in state.model:
-            chunk.train()
-    return out
-
-
-def normalise(text: str) -> str:
-    return " ".join(text.strip().split())
-
-
-def exact_match(state, path: str | None = None, *, max_samples: int | None = None,
-                max_new_tokens: int = 32, batch: int = 64) -> dict:  # fmt: skip
-    """Greedy answers to the held-out instruction prompts vs their reference answers
-    (whitespace-normalised exact match). Every rank calls it. A row stops as soon as its text can
-    no longer match, or 2 tokens past the longest reference: the score is the same, the work less."""
-    from ftcore.data.pipeline import load_prompts
-
-    cfg, tok = state.cfg, state.tokenizer
-    if cfg.data.format not in ("instruction", "chat"):
-        raise FtcoreError("exact-match accuracy needs instruction or chat data", field="eval.accuracy",
-                          fix="use data.format=instruction (or chat), or drop eval.accuracy")  # fmt: skip
-    pairs = load_prompts(cfg, tok, path)
-    if max_samples:
-        pairs = pairs[:max_samples]
-    if not pairs:
-        raise FtcoreError("no prompts to compute accuracy on", field="data.val_path")
-    stop, pad = stop_ids(tok), tok.pad_token_id or 0
-    correct = 0
-    samples = []
-    for i in range(0, len(pairs), batch):
-        part = pairs[i : i + batch]
-        wants = [normalise(w) for _, w in part]
-
-        def keep(
-            j, ids, wants=wants
-        ):  # normalise(a + b) starts with normalise(a): a miss stays a miss
-            return wants[j].startswith(normalise(tok.decode(ids, skip_special_tokens=True)))
-
-        budget = max(len(tok(w, add_special_tokens=False)["input_ids"]) for w in wants) + 2
-        answers = generate_ids(state, [p for p, _ in part], max_new_tokens=min(budget, max_new_tokens),
-                               stop=stop, pad_id=pad, keep=keep)  # fmt: skip
-        for (_, want), ids in zip(part, answers):
-            got = tok.decode(ids, skip_special_tokens=True)
-            correct += normalise(got) == normalise(want)
-            if len(samples) < 3:
-                samples.append({"answer": got, "expected": want})
-    return {
-        "accuracy": correct / len(pairs),
-        "correct": correct,
-        "total": len(pairs),
-        "samples": samples,
-    }
-
-
-def accuracy(state, what: str, before: float | None = None) -> float:
-    """Exact-match accuracy on the held-out data, logged on rank 0 and written to
-    `<run.dir>/accuracy.json` (for `eval.accuracy=true`; the trainer calls it before and after)."""
-    import json
-
-    cfg = state.cfg
-    res = exact_match(state, max_samples=cfg.eval.max_samples)
-    if state.info.rank == 0:
-        log.info("held-out exact-match accuracy %s: %.1f%% (%d/%d)%s; e.g. %s", what, 100 * res["accuracy"],
-                 res["correct"], res["total"], "" if before is None else f" (before: {100 * before:.1f}%)",
-                 "; ".join(f"{s['expected']!r} -> {s['answer']!r}" for s in res["samples"][:2]))  # fmt: skip
-        f = state.run_dir / "accuracy.json"
-        saved = json.loads(f.read_text()) if f.is_file() else {}
-        saved[what] = {k: res[k] for k in ("accuracy", "correct", "total")} | {"step": state.step}
-        f.write_text(json.dumps(saved, indent=1) + "\n")
-    return res["accuracy"]
-
-
-def prompt_ids(state, text: str) -> list[int]:
-    from ftcore.data.templates import Renderer
-
-    renderer = Renderer(state.tokenizer, "instruction", state.cfg.data.chat_template)
-    ids, _ = renderer.prompt({"instruction": text, "output": ""})
-    return ids
-
 
 PROMPT_ENV = "FTCORE_STDIN_PROMPT"  # standard input, read once by the process the user started
 
@@ -347,7 +50,8 @@ def read_prompt(cfg: DictConfig) -> str:
 
 def generate(cfg: DictConfig) -> str:
     """Print the answer, alone, on standard output (rank 0); logs go to standard error."""
-    from ftcore import trainer
+    from ftcore.inference.generation import generate_ids, prompt_ids, stop_ids
+    from ftcore.training import trainer
 
     g = cfg.generate
     prompt = read_prompt(cfg)
@@ -365,7 +69,7 @@ def generate(cfg: DictConfig) -> str:
 
 
 def task(cfg: DictConfig) -> int | None:
-    from ftcore import preflight, validate
+    from ftcore.config import checks, preflight
 
     # first: on a machine without a GPU nothing else matters
     preflight.require_cuda(cfg, "generate")
@@ -374,7 +78,7 @@ def task(cfg: DictConfig) -> int | None:
     from ftcore.runtime import dist as rdist
 
     status = rdist.launch_standalone(
-        cfg, "ftcore.generate", partial(validate.check_for_launch, training=False)
+        cfg, "ftcore.generate", partial(checks.check_for_launch, training=False)
     )
     if status is not None:
         return status

@@ -19,10 +19,10 @@ from ftcore.errors import FtcoreError
 
 def task(cfg: DictConfig) -> int:
     from ftcore import planner
+    from ftcore.config.ranges import check_ranges
     from ftcore.planner.layers import split_layers
     from ftcore.planner.report import table
     from ftcore.planner.search import search
-    from ftcore.ranges import check_ranges
 
     check_ranges(cfg)
 

@@ -9,17 +9,17 @@ from ftcore.cli import run
 
 
 def task(cfg: DictConfig) -> int | None:
-    from ftcore import preflight, validate
+    from ftcore.config import checks, preflight
 
     # first: on a machine without a GPU nothing else matters
     preflight.require_cuda(cfg, "train")
     preflight.use_adapter(cfg, training=True)
     from ftcore.runtime import dist
 
-    status = dist.launch_standalone(cfg, "ftcore.train", validate.check_for_launch)
+    status = dist.launch_standalone(cfg, "ftcore.train", checks.check_for_launch)
     if status is not None:
         return status
-    from ftcore import trainer
+    from ftcore.training import trainer
 
     try:
         state = trainer.setup(cfg)

@@ -68,7 +68,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _compose(overrides: list[str]):
-    from ftcore.config import compose
+    from ftcore.config.schema import compose
 
     return compose(overrides)
 
@@ -112,10 +112,10 @@ def check(layout: slurm_env.Layout, cfg) -> list[str]:
 
 
 def job_problems(layout: slurm_env.Layout, cfg, module: str) -> list[str]:
-    """What the workers' own checks would refuse (ftcore.validate: paths, adapter and base weights,
+    """What the workers' own checks would refuse (ftcore.config.checks: paths, adapter and base weights,
     divisibility, the target cluster's hardware, memory fit, world size), found by the dry run on a
     login node instead of after the job waited in the queue."""
-    from ftcore import preflight, validate
+    from ftcore.config import checks, preflight
     from ftcore.errors import FtcoreError
 
     training = module == "ftcore.train"
@@ -126,7 +126,7 @@ def job_problems(layout: slurm_env.Layout, cfg, module: str) -> list[str]:
     c = cfg.cluster
     # as many workers as the experiment asks for: a different allocation is check()'s problem
     launched = c.num_gpus if c.device != "cpu" and c.num_gpus is not None else layout.world_size
-    return validate.problems(cfg, launched, training=training)
+    return checks.problems(cfg, launched, training=training)
 
 
 def describe(layout: slurm_env.Layout, cfg, module: str, overrides: list[str]) -> dict:

@@ -24,7 +24,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from ftcore.config import FtcoreConfig
+from ftcore.config.schema import FtcoreConfig
 
 
 def launcher_command(overrides: list[str], run_dir: str) -> list[str]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ftcore.config import assets_dir
+from ftcore.config.schema import assets_dir
 from ftcore.data.packing import MicroBatch, attention_mask_from_segments, make_microbatch
 from ftcore.data.sampler import Sampler, rng
 from ftcore.data.templates import Doc

@@ -6,7 +6,7 @@ queue the next kernels meanwhile. A non-blocking copy only enqueues the transfer
 (page-locked) host memory the GPU's DMA engine reads it while the host goes on; the caching host
 allocator keeps a pinned block alive until its copy has run. So micro-batches built for a CUDA
 device are pinned on the host as they are assembled (ftcore.data.pipeline.assemble), and every
-copy to a CUDA device is non-blocking (ftcore.step).
+copy to a CUDA device is non-blocking (ftcore.training.step).
 """
 
 from __future__ import annotations

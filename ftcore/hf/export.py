@@ -132,9 +132,9 @@ def write_hf_model(
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from ftcore.data.tokenizer import tokenizer_source
     from ftcore.models.sharding import iter_params, join_shards, shard_info
     from ftcore.runtime import dist as rdist
-    from ftcore.tokenizer import tokenizer_source
 
     cfg = state.cfg
     out = Path(out) if out else state.run_dir / "hf_model"
@@ -199,9 +199,9 @@ def _barrier() -> None:
 def export_checkpoint(step_dir: str | Path, run_cfg, out: str | Path, *, dtype: str | None = None,
                       max_shard_gb: float = 5.0, transform: Transform | None = None) -> Path:  # fmt: skip
     """One process: a checkpoint of any layout -> an HF directory, one tensor in memory at a time."""
+    from ftcore.data.tokenizer import tokenizer_source
     from ftcore.errors import FtcoreError
     from ftcore.hf.ckpt_reader import CheckpointReader
-    from ftcore.tokenizer import tokenizer_source
 
     reader = CheckpointReader(step_dir)
     s = mappings.Shapes.from_cfg(run_cfg.model)

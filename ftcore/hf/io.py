@@ -131,7 +131,7 @@ def weights_source(cfg: DictConfig) -> tuple[Path, str]:
         return Path(cfg.model.hf_path).expanduser(), "model.hf_path"
     p = Path(cfg.model.init_path).expanduser()
     if not p.exists():
-        from ftcore.config import assets_dir
+        from ftcore.config.schema import assets_dir
 
         p = assets_dir() / cfg.model.init_path
     if not p.is_dir():

@@ -21,11 +21,11 @@ from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from omegaconf import DictConfig
 
-from ftcore import precision
 from ftcore.models import init as model_init
 from ftcore.models import target_logits
 from ftcore.models.llama import layer_spec, padded_vocab_size, transformer_config
 from ftcore.planner.params import init_method
+from ftcore.precision import recipes
 from ftcore.runtime import cpu
 
 
@@ -60,7 +60,7 @@ def build_model(
                 vp_stage=vp_stage if cfg.parallel.vp > 1 else None,
             )
             chunk.vocab_size_unpadded = vocab
-            chunk.uses_te = not on_cpu and precision.use_te(cfg)  # step.py: THD packing, no mask
+            chunk.uses_te = not on_cpu and recipes.use_te(cfg)  # step.py: THD packing, no mask
             if chunk.post_process:
                 target_logits.install(chunk)
             if not on_cpu:
@@ -128,7 +128,7 @@ def wrap_ddp(cfg: DictConfig, chunks: list[GPTModel]):
         use_distributed_optimizer=cfg.parallel.distributed_optimizer,
         check_for_nan_in_grad=False,
         bucket_size=None,
-        **precision.ddp_config_kwargs(cfg),
+        **recipes.ddp_config_kwargs(cfg),
     )
     wrapped = []
     with cpu.device_mode():

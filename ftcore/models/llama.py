@@ -10,9 +10,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from omegaconf import DictConfig
 
-from ftcore.models import rope, swiglu
-from ftcore.models.attention import SdpaAttention
-from ftcore.models.norm import RMSNorm
+from ftcore.models import rope
+from ftcore.models.local import swiglu
+from ftcore.models.local.attention import SdpaAttention
+from ftcore.models.local.norm import RMSNorm
 from ftcore.peft.qlora import defer_base_linears
 from ftcore.planner.layers import split_layers
 from ftcore.runtime import device_audit
@@ -68,7 +69,7 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
         output_layer_init_method=_no_init,
         embedding_init_method=_no_init,
         gradient_accumulation_fusion=False,
-        # on CPU megatron's fused bias-SwiGLU hook runs ftcore.models.swiglu (no bias here)
+        # on CPU megatron's fused bias-SwiGLU hook runs ftcore.models.local.swiglu (no bias here)
         bias_activation_fusion=on_cpu and swiglu.use_cpu_swiglu(),
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -90,9 +91,9 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         )
     if not on_cpu:
-        from ftcore import precision
+        from ftcore.precision import recipes
 
-        kwargs.update(precision.transformer_config_kwargs(cfg))
+        kwargs.update(recipes.transformer_config_kwargs(cfg))
     return TransformerConfig(**kwargs)
 
 
@@ -102,9 +103,9 @@ def layer_spec(cfg: DictConfig, config: TransformerConfig, *, on_cpu: bool, vp_s
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     if not on_cpu:
-        from ftcore import precision
+        from ftcore.precision import recipes
 
-        spec = precision.layer_spec(cfg)  # None: no TE, precision.te_layers=false, or QLoRA
+        spec = recipes.layer_spec(cfg)  # None: no TE, precision.te_layers=false, or QLoRA
         if spec is not None:
             return spec
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")

@@ -379,7 +379,7 @@ def read_checkpoint_adapters(step_dir, run_cfg) -> dict[str, torch.Tensor]:
 def merge_transform(cfg, run_cfg, step_dir):
     """ftcore.export's hook (export.merge=true): fold the checkpoint's adapters into the base."""
     from ftcore.peft.lora import settings
-    from ftcore.precision import check_merge
+    from ftcore.precision.recipes import check_merge
 
     if run_cfg.peft.name == "none":
         raise FtcoreError("the checkpoint has no adapters to merge (a full fine-tuning run)",
@@ -401,7 +401,7 @@ def export_adapter_checkpoint(step_dir, run_cfg, out, *, merge: bool) -> Path:
         save_adapter(Path(out), sd, s, targets, base)
         return Path(out)
     from ftcore.hf.io import weights_source
-    from ftcore.precision import check_merge
+    from ftcore.precision.recipes import check_merge
 
     check_merge(run_cfg)
     if not base:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from torch import nn
 
 from ftcore.peft.layers import LoraParallelLinear
-from ftcore.precision import adapter_autocast_off, high_precision
+from ftcore.precision.recipes import adapter_autocast_off, high_precision
 
 TE_LINEARS = ("TELayerNormColumnParallelLinear", "TEColumnParallelLinear", "TERowParallelLinear")
 

@@ -11,7 +11,7 @@ How: a fake process group of the job's world size (torch's FakeProcessGroup: col
 nothing) lets this process stand in for global rank `pp_rank * world / pp` (TP, CP and DP rank 0,
 megatron's rank order tp-cp-ep-dp-pp); megatron's parallel state is built over it without its gloo
 side groups. Then ftcore's own `build_model` (no init: meta has no values), `apply_peft`,
-`wrap_ddp` and `build_optimizer`, as `ftcore.trainer.setup` calls them, with the configured
+`wrap_ddp` and `build_optimizer`, as `ftcore.training.trainer.setup` calls them, with the configured
 distributed optimizer. What is off the device is named as the model was built, before DDP (whose
 buffer would move a straggler onto the GPU when the distributed optimizer is on, and which cannot
 move it from the CPU to meta), then moved to meta so that DDP and the optimizer are still built
@@ -86,8 +86,8 @@ def build_stage(cfg: DictConfig, world: int, pp_rank: int) -> dict:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from ftcore.models.builder import build_model, wrap_ddp
-    from ftcore.optim import build_optimizer
     from ftcore.runtime import cpu
+    from ftcore.training.optim import build_optimizer
 
     with fake_world(cfg, world, pp_rank), cpu.meta_device():
         with cpu.device_mode():
@@ -191,9 +191,9 @@ def _without_te_cp(cfg: DictConfig) -> DictConfig:
     """megatron's local attention refuses context parallelism (only TE's supports it). CP shards
     no parameter and megatron's dp x cp group keeps its size, so without TE a CP layout is built as
     its data-parallel equivalent: the same parameters, the same DDP buffers."""
-    from ftcore import precision
+    from ftcore.precision import recipes
 
-    if cfg.parallel.cp == 1 or precision.te_version() is not None:
+    if cfg.parallel.cp == 1 or recipes.te_version() is not None:
         return cfg
     log.warning(
         "dry build: no Transformer Engine, so parallel.cp=%d is built as dp", cfg.parallel.cp

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from ftcore import checkpoint, trainer
+from ftcore.checkpoint import store
+from ftcore.training import trainer
 from ftcore.models.sharding import iter_params
 from ftcore.runtime.dist import free_port
 from tests.dist.layouts import build
@@ -26,7 +27,7 @@ def build_resumed(overrides: list[str], run_dir: str, resume: str = "auto"):
     (layouts.build attaches it after setup, which would leave the data position unrestored)."""
     state = build(list(overrides) + ["checkpoint.resume=never"], run_dir)
     state.cfg.checkpoint.resume = resume
-    checkpoint.maybe_resume(state)
+    store.maybe_resume(state)
     return state
 
 
@@ -38,7 +39,7 @@ def train(state, steps: int, save_every: int = 0) -> list[float]:
         state.step += 1
         losses.append(out["loss"])
         if save_every and state.step % save_every == 0:
-            checkpoint.save(state)
+            store.save(state)
     return losses
 
 

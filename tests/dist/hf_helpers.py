@@ -42,7 +42,7 @@ def make_tiny_hf(path: str | Path, *, tie: bool = False, seed: int = 0, max_shar
     with an index, plus a Llama-3 base tokenizer (eos = <|end_of_text|>)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from ftcore.tokenizer import bundled_tokenizer_dir
+    from ftcore.data.tokenizer import bundled_tokenizer_dir
 
     path = Path(path)
     torch.manual_seed(seed)
@@ -116,7 +116,7 @@ def hf_text_loss(path, data: str | Path, seq_len: int = SEQ) -> dict:
 
 
 def compose_hf(hf_dir: str, run_dir: str, overrides: list[str]):
-    from ftcore.config import compose
+    from ftcore.config.schema import compose
 
     return compose(TINY + [f"model.hf_path={hf_dir}", f"run.dir={run_dir}", "data.format=text",
                            f"data.seq_len={SEQ}"] + list(overrides))  # fmt: skip
@@ -148,7 +148,7 @@ def forward_logits(state, x: torch.Tensor):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from ftcore.runtime import cpu
-    from ftcore.step import microbatch_iterators
+    from ftcore.training.step import microbatch_iterators
 
     for chunk in state.model:
         chunk.eval()
@@ -170,7 +170,7 @@ def load_case(hf_dir: str, run_dir: str, overrides: list[str], x: torch.Tensor, 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from ftcore import trainer
+    from ftcore.training import trainer
 
     cfg = compose_hf(hf_dir, run_dir, list(overrides) + ([f"data.path={data}"] if data else []))
     state = trainer.setup(cfg, data=False)
@@ -194,11 +194,12 @@ def save_case(hf_dir: str, run_dir: str, overrides: list[str], x: torch.Tensor) 
     """Worker: load under a layout, return logits, save a checkpoint (step_0) of that layout."""
     from megatron.core import parallel_state as ps
 
-    from ftcore import checkpoint, trainer
+    from ftcore.checkpoint import store
+    from ftcore.training import trainer
 
     state = trainer.setup(compose_hf(hf_dir, run_dir, overrides), data=False)
     logits = forward_logits(state, x)
-    checkpoint.save(state)
+    store.save(state)
     return {"logits": logits if ps.get_tensor_model_parallel_rank() == 0 else None}
 
 

@@ -20,7 +20,7 @@ def make(path: str) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from ftcore.tokenizer import bundled_tokenizer_dir
+    from ftcore.data.tokenizer import bundled_tokenizer_dir
 
     config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                          num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
@@ -50,7 +50,7 @@ def load(path: str, tp: int, pp: int) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from ftcore.config import compose
+    from ftcore.config.schema import compose
     from ftcore.hf.config import merge_hf_config
     from ftcore.hf.io import load_weights
     from ftcore.models.builder import build_model

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ftcore import trainer
-from ftcore.config import compose
+from ftcore.training import trainer
+from ftcore.config.schema import compose
 from ftcore.data.pipeline import MicroBatch
 from ftcore.models.sharding import iter_params, join_shards, shard_info, unwrap
 from tests.tiny import TINY

@@ -14,7 +14,7 @@ import weakref
 import torch
 from megatron.core import parallel_state as ps
 
-from ftcore import trainer
+from ftcore.training import trainer
 from ftcore.models.sharding import unwrap
 from tests.dist.layouts import build, record_microbatches
 

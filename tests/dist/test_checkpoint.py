@@ -13,7 +13,7 @@ import torch
 from megatron.core import parallel_state as ps
 from torch.distributed.checkpoint import FileSystemReader
 
-from ftcore import checkpoint, resume
+from ftcore.checkpoint import store, resume
 from ftcore.errors import FtcoreError
 from tests.dist.ckpt_cases import build_resumed, latest, local_tensors, train
 
@@ -25,7 +25,7 @@ def roundtrip(overrides: list[str], run_dir: str) -> dict:
     wandb_id = Path(run_dir) / "wandb_id"  # what metrics.py keeps for a wandb run
     if state.info.rank == 0:
         wandb_id.write_text("run-abc123")
-    checkpoint.save(state)
+    store.save(state)
     if state.info.rank == 0:
         wandb_id.unlink()  # e.g. a resume=PATH into a fresh run.dir
     before = local_tensors(state)
@@ -104,7 +104,7 @@ def test_keep_last_n(pool2, tmp_path):
 def save_case(run_dir: str) -> None:
     state = build_resumed(["parallel.tp=2"], run_dir)
     train(state, 1)
-    checkpoint.save(state)
+    store.save(state)
 
 
 def load_case(run_dir: str) -> str:
@@ -157,25 +157,25 @@ def async_case(run_dir: str) -> dict:
     daemon, queue_before, use_async = (
         proc._config.get("daemon"),
         filesystem_async._results_queue,
-        checkpoint._use_async,
+        store._use_async,
     )
     proc._config["daemon"] = False
     filesystem_async._results_queue = mp.get_context("fork").Queue()
-    checkpoint._use_async = lambda state: True
+    store._use_async = lambda state: True
     try:
         state = build_resumed(["parallel.tp=2"], run_dir)
         train(state, 1)
-        checkpoint.save(state)
-        pending = checkpoint.exists(state, 1)
+        store.save(state)
+        pending = store.exists(state, 1)
         train(state, 1)
-        checkpoint.poll(state)
-        checkpoint.save(state, blocking=True)  # publishes step_1 first, then step_2
+        store.poll(state)
+        store.save(state, blocking=True)  # publishes step_1 first, then step_2
         published = latest(Path(run_dir))
         before = local_tensors(state)
     finally:
         proc._config["daemon"] = daemon
         filesystem_async._results_queue = queue_before
-        checkpoint._use_async = use_async
+        store._use_async = use_async
     state2 = build_resumed(["parallel.tp=2"], run_dir)
     after = local_tensors(state2)
     return {"pending": pending, "published": published, "step": state2.step,
@@ -199,7 +199,7 @@ def never_case(run_dir: str) -> None:
     train(old, 2, save_every=1)
     state = build_resumed(["parallel.tp=2"], run_dir, resume="never")
     train(state, 1)
-    checkpoint.save(state)
+    store.save(state)
 
 
 @pytest.mark.dist

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from ftcore.config import compose
+from ftcore.config.schema import compose
 from ftcore.data import tokenized
 from ftcore.data.pipeline import build_train_loader
 from ftcore.errors import FtcoreError
-from ftcore.tokenizer import load_tokenizer
+from ftcore.data.tokenizer import load_tokenizer
 
 
 def _cfg(path, cache):

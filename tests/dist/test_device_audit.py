@@ -67,8 +67,8 @@ def test_audit_tells_host_from_gpu_tensors(pool2):
 def lora_tp2_pp2(run_dir: str, audit: bool) -> list:
     import contextlib
 
-    from ftcore import trainer
-    from ftcore.generate import generate_ids
+    from ftcore.training import trainer
+    from ftcore.inference.generation import generate_ids
     from ftcore.hf.export import write_hf_model
     from ftcore.peft.export import gather_full
     from ftcore.runtime import device_audit

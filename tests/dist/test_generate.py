@@ -26,8 +26,8 @@ def _fed_widths(state) -> list:
 
 def cache_case(run_dir: str, layout: list[str]) -> dict:
     """Greedy answers with and without the cache, and the widths each forward fed."""
-    from ftcore import trainer
-    from ftcore.generate import generate_ids
+    from ftcore.training import trainer
+    from ftcore.inference.generation import generate_ids
     from tests.dist.layouts import build
 
     state = build([*LORA, *layout], run_dir)
@@ -65,7 +65,7 @@ def test_kv_cache_keeps_greedy_tokens_and_feeds_one_position(pool2, tmp_path, la
 
 
 def sp_case(run_dir: str) -> list:
-    from ftcore.generate import generate_ids, kv_cache_applies
+    from ftcore.inference.generation import generate_ids, kv_cache_applies
     from tests.dist.layouts import build
 
     state = build(["parallel.tp=2", "parallel.sp=true"], run_dir)
@@ -82,7 +82,7 @@ def test_sequence_parallel_falls_back_to_recomputing(pool2, tmp_path):
 def train_adapter_case(hf_dir: str, run_dir: str) -> str:
     from megatron.core import parallel_state as ps
 
-    from ftcore import trainer
+    from ftcore.training import trainer
     from ftcore.peft.export import write_hf_adapter
     from tests.dist.layouts import SyntheticLoader
 
@@ -98,8 +98,8 @@ def train_adapter_case(hf_dir: str, run_dir: str) -> str:
 
 
 def adapter_generate_case(hf_dir: str, run_dir: str, adapter: str, layout: list[str]) -> list:
-    from ftcore import trainer
-    from ftcore.generate import generate_ids
+    from ftcore.training import trainer
+    from ftcore.inference.generation import generate_ids
 
     cfg = compose_hf(hf_dir, run_dir, ["peft=lora", f"peft.adapter_path={adapter}", *layout])
     state = trainer.setup(cfg, data=False)

@@ -15,7 +15,7 @@ ALL7 = "peft.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_
 
 
 def write_adapter_case(run_dir: str) -> dict:
-    from ftcore import trainer
+    from ftcore.training import trainer
     from ftcore.peft.export import write_hf_adapter
 
     state = build(
@@ -54,7 +54,7 @@ def test_adapter_path_round_trip(pool1, tmp_path):
 
 
 def qlora_case(run_dir: str, name: str) -> dict:
-    from ftcore import trainer
+    from ftcore.training import trainer
     from ftcore.peft.qlora import NF4ParallelLinear
 
     state = build([f"peft={name}", ALL7, *LORA, "train.micro_batch_size=4"], run_dir)
@@ -87,8 +87,8 @@ def test_qlora_trains_adapters_on_nf4_base(pool1, tmp_path):
 def generate_case(
     hf_dir: str, run_dir: str, layout: list[str], prompts: list[list[int]], n: int
 ) -> list:
-    from ftcore import trainer
-    from ftcore.generate import generate_ids
+    from ftcore.training import trainer
+    from ftcore.inference.generation import generate_ids
 
     state = trainer.setup(compose_hf(hf_dir, run_dir, layout), data=False)
     return generate_ids(state, prompts, max_new_tokens=n)

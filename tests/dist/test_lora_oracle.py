@@ -23,7 +23,8 @@ def oracle_case(hf_dir: str, run_dir: str, targets: list[str], x: torch.Tensor) 
     """Worker: train a few LoRA steps at this layout, then logits, loss, hf_adapter/, merged export."""
     from megatron.core import parallel_state as ps
 
-    from ftcore import checkpoint, trainer
+    from ftcore.checkpoint import store
+    from ftcore.training import trainer
     from ftcore.data.pipeline import MicroBatch
     from ftcore.hf.export import write_hf_model
     from ftcore.peft.export import live_merge_transform, write_hf_adapter
@@ -45,8 +46,8 @@ def oracle_case(hf_dir: str, run_dir: str, targets: list[str], x: torch.Tensor) 
     loss_sum, n = trainer.run_batches(state, [mb], forward_only=True)
     write_hf_adapter(state)
     state.step = STEPS
-    checkpoint.save(state, blocking=True)  # adapter-only, sharded at TP=2
-    checkpoint.wait(state)
+    store.save(state, blocking=True)  # adapter-only, sharded at TP=2
+    store.wait(state)
     merged = write_hf_model(
         state, transform=live_merge_transform(state), out=Path(run_dir) / "hf_merged"
     )

@@ -41,7 +41,7 @@ def _close_weights(got: dict, ref: dict, what: str) -> None:
 
 
 def lora_run(overrides: list[str], run_dir: str, steps: int) -> dict:
-    from ftcore import trainer
+    from ftcore.training import trainer
 
     state = build(overrides, run_dir)
     init = full_weights(state, trainable_only=True)
@@ -86,15 +86,16 @@ def test_lora_layout_parity(targets, layout, pool2, references, tmp_path):
 
 
 def _save_and_reload(overrides: list[str], run_dir: str, save: bool) -> dict:
-    from ftcore import checkpoint, trainer
+    from ftcore.checkpoint import store
+    from ftcore.training import trainer
 
     state = build(overrides + ["checkpoint.resume=auto"], run_dir)
     if save:
         for _ in range(2):
             trainer.train_step(state)
         state.step = 2
-        checkpoint.save(state, blocking=True)
-        checkpoint.wait(state)
+        store.save(state, blocking=True)
+        store.wait(state)
     return {"weights": full_weights(state, trainable_only=True), "step": state.step}
 
 
@@ -113,7 +114,7 @@ def test_adapter_checkpoint_tp2_reloads_at_tp1(pool1, pool2, tmp_path):
 
 
 def _replicas_after_dropout(overrides: list[str], run_dir: str) -> dict:
-    from ftcore import trainer
+    from ftcore.training import trainer
     from ftcore.models.sharding import iter_params
 
     state = build(overrides, run_dir)

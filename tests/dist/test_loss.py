@@ -10,7 +10,7 @@ from tests.dist.layouts import build
 
 
 def direct_vs_ftcore(overrides, run_dir):
-    from ftcore import trainer
+    from ftcore.training import trainer
     from ftcore.data.pipeline import attention_mask_from_segments
     from ftcore.models.sharding import unwrap
 

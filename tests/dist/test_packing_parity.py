@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ftcore import trainer
+from ftcore.training import trainer
 from ftcore.data.packing import first_fit_decreasing, make_microbatch
 from ftcore.data.templates import Doc
 from ftcore.models.sharding import iter_params, join_shards, shard_info

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftcore.config import compose
+from ftcore.config.schema import compose
 from ftcore.planner.memory import model_state
 from tests.dist.planner_probe import state_case
 from tests.tiny import TINY

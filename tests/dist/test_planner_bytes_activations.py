@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftcore.config import compose
+from ftcore.config.schema import compose
 from ftcore.planner.memory import stage_memory
 from tests.dist.planner_probe import activation_case
 from tests.tiny import TINY

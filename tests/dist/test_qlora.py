@@ -74,7 +74,7 @@ def _loss(logits: torch.Tensor, x: torch.Tensor) -> float:
 def train_case(hf_dir: str, run_dir: str, overrides: list[str]) -> list[float]:
     from megatron.core import parallel_state as ps
 
-    from ftcore import trainer
+    from ftcore.training import trainer
     from tests.dist.layouts import SyntheticLoader
 
     cfg = compose_hf(hf_dir, run_dir, overrides)
@@ -149,7 +149,7 @@ def setup_peak_case(hf_dir: str, run_dir: str) -> dict:
     import ctypes
     import gc
 
-    from ftcore import trainer
+    from ftcore.training import trainer
     from ftcore.models import builder
     from ftcore.peft import lora
     from ftcore.peft.qlora import NF4ParallelLinear

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftcore import checkpoint
+from ftcore.checkpoint import store
 from tests.dist.ckpt_cases import build_resumed, train
 from tests.dist.layouts import full_weights, merge_weights
 
@@ -24,13 +24,13 @@ def uninterrupted(overrides: list[str], run_dir: str, steps: int) -> dict:
 def first_half(overrides: list[str], run_dir: str, steps: int) -> None:
     state = build_resumed(overrides, run_dir, resume="never")
     train(state, steps)
-    checkpoint.save(state)
+    store.save(state)
 
 
 def second_half(overrides: list[str], run_dir: str, steps: int) -> dict:
     state = build_resumed(overrides, run_dir, resume="never")
     state.cfg.checkpoint.resume = "auto"
-    notes = checkpoint.load(state, checkpoint.resolve(state))
+    notes = store.load(state, store.resolve(state))
     start = state.step
     return {
         "start": start,
@@ -123,7 +123,7 @@ def test_distributed_optimizer_reshards(pool2, tmp_path, before, after):
 def old_format_first_half(overrides: list[str], run_dir: str, steps: int) -> None:
     """A checkpoint as ftcore wrote it before: the distributed optimizer in megatron's
     dp_reshardable format (its raw DP buffers)."""
-    from ftcore import resume
+    from ftcore.checkpoint import resume
 
     current = resume.optim_format
     resume.optim_format = lambda cfg: "dp_reshardable" if cfg.parallel.distributed_optimizer else current(cfg)  # fmt: skip

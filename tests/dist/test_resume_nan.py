@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftcore import trainer
+from ftcore.training import trainer
 from ftcore.errors import FtcoreError
 from ftcore.models.sharding import iter_params
 from tests.dist.ckpt_cases import build_resumed, latest, metric_lines

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from ftcore import trainer
+from ftcore.training import trainer
 from ftcore.errors import StopRequested
 from tests.dist.ckpt_cases import ROOT, build_resumed, latest, metric_lines
 

@@ -20,7 +20,7 @@ def _case(tp: int, sp: bool) -> dict:
     from megatron.core.transformer import TransformerConfig
     from torch import nn
 
-    from ftcore.models.norm import RMSNorm
+    from ftcore.models.local.norm import RMSNorm
     from ftcore.peft.layers import Geometry, LoraParallelLinear
     from ftcore.peft.lora import plan_targets
     from ftcore.peft.te_layers import TELoraParallelLinear, is_te_linear, lora_linear

@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def need_te() -> None:
-    from ftcore import precision
-    from ftcore.config import compose
+    from ftcore.config.schema import compose
+    from ftcore.precision import recipes
 
-    if torch.cuda.is_available() and precision.te_version() is not None:
+    if torch.cuda.is_available() and recipes.te_version() is not None:
         return
     if compose(CASES["bf16_te"].overrides()).gpu.require_te:
         pytest.fail("gpu.require_te=true but Transformer Engine is not installed or does not load")
@@ -39,16 +39,16 @@ def need_gpus(n: int) -> None:
 
 def need_runs(name: str) -> None:
     """The case's precision runs on this GPU (the hardware check's own verdict), else NOT RUN."""
-    from ftcore import precision
-    from ftcore.config import compose
+    from ftcore.config.schema import compose
     from ftcore.errors import FtcoreError
+    from ftcore.precision import hardware
 
     case = CASES[name]
     if case.te:
         need_te()
     need_gpus(case.gpus)
     try:
-        precision.check_hardware(compose(case.overrides()))
+        hardware.check_hardware(compose(case.overrides()))
     except FtcoreError as e:
         if e.field == "gpu.require_te":
             pytest.fail(str(e))

@@ -7,10 +7,10 @@ unfused packed RoPE). Each case trains a tiny model a few steps, then runs STEPS
 `torch.cuda.set_sync_debug_mode("warn")`, recording the Python stack of every sync CUDA reports.
 A sync is attributed to the innermost ftcore function on its stack; the intended ones are:
 
-- `ftcore/step.py:loss_sums`: the step's loss and target-token sums, read once per step (logging,
+- `ftcore/training/step.py:loss_sums`: the step's loss and target-token sums, read once per step (logging,
   and the host decides to skip a non-finite step);
-- `ftcore/trainer.py:_reduce_sums`: the all-reduced sums back on the host, a few per step;
-- `ftcore/optim.py:*`: gradient norm, clipping and the update decision (found-inf), once per step
+- `ftcore/training/trainer.py:_reduce_sums`: the all-reduced sums back on the host, a few per step;
+- `ftcore/training/optim.py:*`: gradient norm, clipping and the update decision (found-inf), once per step
   (megatron's own optimizer code reads the norm too).
 
 Anything else fails the test with its stacks, and so does any sync whose count grows with the
@@ -35,9 +35,9 @@ pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 INTENDED = {
-    "ftcore/step.py:loss_sums": "loss and target-token sums, one read per step",
-    "ftcore/trainer.py:_reduce_sums": "the all-reduced sums on the host, per step",
-    "ftcore/optim.py:*": "gradient norm, clipping, update decision, once per step",
+    "ftcore/training/step.py:loss_sums": "loss and target-token sums, one read per step",
+    "ftcore/training/trainer.py:_reduce_sums": "the all-reduced sums on the host, per step",
+    "ftcore/training/optim.py:*": "gradient norm, clipping, update decision, once per step",
 }
 WARMUP, STEPS = 3, 2
 MARK = "host syncs: "
@@ -107,8 +107,9 @@ def measure(run_dir: str, overrides: list[str]) -> dict:
     """In this process: set up a run, WARMUP steps, then STEPS steps with syncs recorded."""
     import torch
 
-    from ftcore import precision, trainer
-    from ftcore.config import compose
+    from ftcore.config.schema import compose
+    from ftcore.precision import recipes
+    from ftcore.training import trainer
 
     cfg = compose(overrides + BASE + [f"run.dir={run_dir}"])
     state = trainer.setup(cfg)
@@ -121,7 +122,7 @@ def measure(run_dir: str, overrides: list[str]) -> dict:
         for _ in range(STEPS):
             skipped |= bool(trainer.train_step(state).get("skipped", False))
     torch.cuda.synchronize()
-    return {"sites": sites, "te": precision.use_te(state.cfg), "skipped": skipped}
+    return {"sites": sites, "te": recipes.use_te(state.cfg), "skipped": skipped}
 
 
 def run_case(tmp_path: Path, name: str, global_batch: int) -> dict:

@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from ftcore import precision
-from ftcore.config import compose
+from ftcore.config.schema import compose
+from ftcore.precision import recipes
 from tests.gpu.cases import CASES
 from tests.gpu.conftest import need_runs, need_te
 
@@ -37,7 +37,7 @@ def tail(losses: list[float], n: int = 5) -> float:
 
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_recipe_builds_and_autocast_toggles(name):
-    """TE level: the recipe object matches the config; FP8 is on inside precision.autocast and
+    """TE level: the recipe object matches the config; FP8 is on inside recipes.autocast and
     off inside adapter_autocast_off; the quantised output differs from BF16's, but not by much."""
     need_runs(name)
     import transformer_engine.pytorch as te
@@ -45,18 +45,18 @@ def test_recipe_builds_and_autocast_toggles(name):
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
     cfg = compose(CASES[name].overrides())
-    recipe = precision.te_recipe(cfg)
-    cls_name, kwargs = precision.te_recipe_spec(cfg)
+    recipe = recipes.te_recipe(cfg)
+    cls_name, kwargs = recipes.te_recipe_spec(cfg)
     assert type(recipe).__name__ == cls_name
     for key, value in kwargs.items():
         expected = getattr(te_recipes.Format, value) if key == "fp8_format" else value
         assert getattr(recipe, key) == expected, key
     lin = te.Linear(256, 512, params_dtype=torch.bfloat16, device="cuda")
     x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with precision.autocast(cfg):
+    with recipes.autocast(cfg):
         assert FP8GlobalStateManager.is_fp8_enabled()
         y = lin(x)
-        with precision.adapter_autocast_off():
+        with recipes.adapter_autocast_off():
             assert not FP8GlobalStateManager.is_fp8_enabled()
             y_hp = lin(x)
     y.float().square().mean().backward()
@@ -70,7 +70,7 @@ def test_recipe_is_active_in_the_model_and_tracks_bf16(runs, name):
     need_runs(name)
     got, ref = runs(name), runs("bf16_te")
     fp8, losses = got["fp8"], got["losses"]
-    cls_name, _ = precision.te_recipe_spec(compose(CASES[name].overrides()))
+    cls_name, _ = recipes.te_recipe_spec(compose(CASES[name].overrides()))
     # the recipe ran inside the model: TE modules in FP8 with this recipe ...
     assert fp8 and fp8["fp8_modules"] > 0 and cls_name in fp8["recipes"], fp8
     if name == "fp8_delayed":  # ... and delayed scaling's amax history and scales were updated

@@ -50,7 +50,7 @@ def hf_dir(tmp_path_factory):
                          initializer_range=0.05)  # fmt: skip
     from transformers import AutoTokenizer
 
-    from ftcore.tokenizer import bundled_tokenizer_dir
+    from ftcore.data.tokenizer import bundled_tokenizer_dir
 
     d = tmp_path_factory.mktemp("hf") / "llama"
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(d)

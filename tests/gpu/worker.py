@@ -41,9 +41,9 @@ class _JobEnded(Exception):
 
 def _end_job(state) -> None:
     """After step K's (async) save was started: let it finish and publish, then stop the run."""
-    from ftcore import checkpoint
+    from ftcore.checkpoint import store
 
-    checkpoint.wait(state)
+    store.wait(state)
     raise _JobEnded
 
 
@@ -55,9 +55,9 @@ def packed_vs_unpacked(cfg) -> dict:
     document per row (micro-batch 1, padded): loss sums and target counts of each."""
     import numpy as np
 
-    from ftcore import trainer
     from ftcore.data.packing import first_fit_decreasing, make_microbatch
     from ftcore.data.templates import Doc
+    from ftcore.training import trainer
 
     state = trainer.setup(cfg, data=False)
     r = np.random.default_rng(0)
@@ -74,9 +74,9 @@ def packed_vs_unpacked(cfg) -> dict:
 
 
 def main(mode: str, out: str, overrides: list[str]) -> None:
-    from ftcore import trainer
-    from ftcore.config import compose
+    from ftcore.config.schema import compose
     from ftcore.runtime import dist
+    from ftcore.training import trainer
 
     cfg = compose(overrides)
     if os.environ.get("FTCORE_GPU_DETERMINISTIC") == "1":  # bitwise comparisons (resume)
@@ -94,9 +94,9 @@ def main(mode: str, out: str, overrides: list[str]) -> None:
             if state.info.rank == 0:
                 lines = (state.run_dir / "metrics.jsonl").read_text().splitlines()
                 losses = [r["loss"] for r in map(json.loads, lines) if "loss" in r]
-                from ftcore import precision
+                from ftcore.precision import recipes
 
-                fp8 = fp8_state(state.model) if precision.use_te(state.cfg) else None
+                fp8 = fp8_state(state.model) if recipes.use_te(state.cfg) else None
                 Path(out).write_text(json.dumps({"losses": losses, "fp8": fp8}))
         elif mode == "logits":
             state = trainer.setup(cfg, data=False)

@@ -9,13 +9,13 @@ import contextlib
 import pytest
 import torch
 
-from ftcore.config import compose
+from ftcore.config.schema import compose
 
 
 @pytest.fixture(scope="module")
 def state(tmp_path_factory):
-    from ftcore import trainer
     from ftcore.runtime import dist
+    from ftcore.training import trainer
 
     cfg = compose([
         "+exp=tiny_full", "peft=lora", "model.allow_random_base=true", "data.seq_len=64",
@@ -29,7 +29,7 @@ def state(tmp_path_factory):
 
 
 def _loss_and_grads(state, mbs):
-    from ftcore import trainer
+    from ftcore.training import trainer
 
     for chunk in state.model:
         chunk.zero_grad_buffer()
@@ -98,7 +98,7 @@ def _packed(docs):
 
 
 def test_sdpa_matches_megatrons_attention_padded_and_packed(state, monkeypatch):
-    from ftcore.models.attention import SdpaAttention
+    from ftcore.models.local.attention import SdpaAttention
 
     packed = _packed(state.loader.docs.docs)
     padded = state.loader.next_microbatches()
@@ -243,7 +243,7 @@ def test_target_rows_follow_megatrons_sequence_first_order():
 
 
 def test_documents_cover_every_position_once_in_length_buckets():
-    from ftcore.models.attention import bucket_width, documents
+    from ftcore.models.local.attention import bucket_width, documents
 
     widths = {n: bucket_width(n, 16) for n in (2, 16, 17, 20, 24, 25, 33, 48, 49, 100, 128)}
     assert widths == {2: 16, 16: 16, 17: 24, 20: 24, 24: 24, 25: 32, 33: 48, 48: 48, 49: 64,
@@ -265,8 +265,8 @@ def test_step_with_norm_is_megatrons_step(state, buffers, monkeypatch):
     a clip that bites; by whole DDP grad buffers (the CPU runtime here) or megatron's loops."""
     import copy
 
-    from ftcore import optim, trainer
     from ftcore.runtime import cpu
+    from ftcore.training import optim, trainer
 
     opt = state.optimizer
     assert opt.ftcore_grad_buffers is not None
@@ -402,7 +402,7 @@ def test_rmsnorm_function_is_the_autograd_formula(dtype):
     trained weight; gradcheck in float64; bf16 in, bf16 out, fp32 inside (float64 stays float64)."""
     from types import SimpleNamespace
 
-    from ftcore.models.norm import RMSNorm
+    from ftcore.models.local.norm import RMSNorm
 
     cfg = SimpleNamespace(params_dtype=dtype, sequence_parallel=False)
     norm = RMSNorm(cfg, 16, eps=1e-5)
@@ -430,7 +430,7 @@ def test_rmsnorm_function_is_the_autograd_formula(dtype):
 def test_swiglu_function_is_megatrons_glu(state, monkeypatch):
     """models/swiglu.py: silu(gate) * up with each half's gradient written into one tensor ==
     autograd through megatron's glu (float64, gradcheck), and the model's MLPs run it on CPU."""
-    from ftcore.models import swiglu
+    from ftcore.models.local import swiglu
 
     x = torch.randn(3, 2, 10, dtype=torch.float64, requires_grad=True)
     g = torch.randn(3, 2, 5, dtype=torch.float64)

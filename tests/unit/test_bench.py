@@ -13,12 +13,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from ftcore import bench_report
-from ftcore.bench import _extra, normalise
-from ftcore.bench_runner import expand_runs
-from ftcore.config import compose, conf_dir
+from ftcore.bench import _extra, normalise, report
+from ftcore.bench.runner import expand_runs
+from ftcore.config.checks import check_divisibility
+from ftcore.config.schema import compose, conf_dir
 from ftcore.errors import FtcoreError
-from ftcore.validate import check_divisibility
 
 PNG = b"\x89PNG\r\n\x1a\n"
 BENCHES = sorted(p.stem for p in (conf_dir() / "bench").glob("*.yaml") if p.stem != "none")
@@ -73,7 +72,7 @@ def _layout_line(label, **kw):
         "slot_tokens_per_s_per_gpu": 120.0, "predicted": {"tokens_per_s_per_gpu": 110.0},
         "measured_over_predicted": 1.09, "step_time_s": 0.5, "step_time_spread": 0.1,
         "model_tflops_per_gpu": 0.01, "mfu": 0.1, "peak_mem_gib": 1.0, "load_avg": [[1.0], [2.0]],
-        "time_split_s": dict.fromkeys(bench_report.SPLIT, 0.1),
+        "time_split_s": dict.fromkeys(report.SPLIT, 0.1),
     }  # fmt: skip
     return {**line, **kw}
 
@@ -85,7 +84,7 @@ def test_report_is_the_latest_invocation(tmp_path):
         _layout_line("b", status="failed", error="exit 1: boom"),
     ]
     (tmp_path / "bench.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + "{torn")
-    md, png = bench_report.write(tmp_path)
+    md, png = report.write(tmp_path)
     text = md.read_text()
     rows = [ln for ln in text.splitlines() if ln.startswith("| ") and "---" not in ln]
     assert [r.split("|")[1].strip() for r in rows] == ["run", "a", "b"]
@@ -111,7 +110,7 @@ def test_tiny_layout_bench_end_to_end(tmp_path):
     assert line["status"] == "ok", line.get("error")
     assert line["steps_measured"] == 1 and line["layout"]["world"] == 1
     assert line["step_time_s"] > 0 and line["tokens_per_s_per_gpu"] > 0
-    assert set(line["time_split_s"]) == set(bench_report.SPLIT)
+    assert set(line["time_split_s"]) == set(report.SPLIT)
     assert line["predicted"]["tokens_per_s_per_gpu"] > 0
     assert math.isfinite(line["measured_over_predicted"])
     assert len(line["losses"]) == 2 and all(math.isfinite(x) for x in line["losses"])
@@ -163,11 +162,11 @@ def test_cpu_vs_hf_report_takes_medians_over_rounds(tmp_path):
         line(2, "hf", "hf_trainer", 80.0), line(2, "ftcore", "packed", 100.0, 1.25),
         line(3, "hf", "hf_trainer", 90.0), line(3, "ftcore", "packed", 117.0, 1.3),
     ]  # fmt: skip
-    (s_hf, s_packed) = bench_report.summary(lines)
+    (s_hf, s_packed) = report.summary(lines)
     assert s_hf["tokens_per_s"] == 90.0 and s_packed["rounds"] == 3
     assert s_packed["ratio"] == 1.3 and s_packed["ratio_range"] == (1.25, 1.5)
     (tmp_path / "bench.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
-    md, png = bench_report.write(tmp_path)
+    md, png = report.write(tmp_path)
     text = md.read_text()
     assert "| packed | 3 | 117 | 1.30 | 1.25–1.50 | +1.0% |" in text
     assert "| 2 | ftcore | packed |" in text and png.stat().st_size > 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftcore.models.attention import causal_attention, documents
+from ftcore.models.local.attention import causal_attention, documents
 
 
 @pytest.mark.parametrize("heads, groups, width", [(8, 4, 24), (4, 4, 16), (6, 1, 5), (4, 2, 128)])
@@ -32,7 +32,7 @@ def test_per_document_attention_is_sdpa_per_document(matmul_width, monkeypatch):
     them): each output position equals SDPA over its own document's prefix; padding (segment 0)
     and one-token documents take their value. Buckets wider than MATMUL_WIDTH take the flash
     kernel."""
-    from ftcore.models import attention
+    from ftcore.models.local import attention
 
     monkeypatch.setattr(attention, "MATMUL_WIDTH", matmul_width)
     _check_per_document(
@@ -44,7 +44,7 @@ def test_per_document_attention_is_sdpa_per_document(matmul_width, monkeypatch):
 def _check_per_document(seg):
     """Values and the gradients into Q, K and V (whose backward gathers from each token's real
     slot, models/gather.py) against SDPA run document by document."""
-    from ftcore.models.attention import SdpaAttention
+    from ftcore.models.local.attention import SdpaAttention
 
     b, s = seg.shape
     heads, groups, d = 4, 2, 8
@@ -84,7 +84,7 @@ def test_attention_at_rows_is_sdpa_at_those_rows(heads, groups, one_mask):
     at those rows; packed documents and padding in one batch of three sequences, or one causal
     mask for every sequence."""
     from ftcore.data.packing import attention_mask_from_segments
-    from ftcore.models.attention import attention_at_rows
+    from ftcore.models.local.attention import attention_at_rows
 
     seg = torch.tensor([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12, [1] * 2 + [2] * 7 + [0] * 3])
     b, s = seg.shape

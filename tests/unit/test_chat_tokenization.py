@@ -18,8 +18,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from ftcore.data.templates import CHATML_TEMPLATE, Renderer
+from ftcore.data.tokenizer import bundled_tokenizer_dir
 from ftcore.errors import FtcoreError
-from ftcore.tokenizer import bundled_tokenizer_dir
 
 # Meta-Llama-3-8B-Instruct's tokenizer_config.json chat_template, verbatim.
 META_LLAMA3 = (
@@ -125,7 +125,7 @@ def test_training_and_prompt_ids_are_apply_chat_template(setups):
 
 
 def test_generate_prompt_is_the_training_prefix(setups):
-    from ftcore.generate import prompt_ids
+    from ftcore.inference.generation import prompt_ids
 
     for label, tok, name in setups:
         state = SimpleNamespace(

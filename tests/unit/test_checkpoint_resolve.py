@@ -10,7 +10,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from ftcore import checkpoint, ckpt_files
+from ftcore.checkpoint import files, store
 from ftcore.errors import FtcoreError
 
 
@@ -34,7 +34,7 @@ def test_only_latest_is_trusted(tmp_path, caplog):
     (root / "step_8").mkdir()  # a directory without manifest
     (root / "latest").write_text("step_3\n")
     with caplog.at_level(logging.WARNING, logger="ftcore"):
-        assert checkpoint.resolve(_state(tmp_path)) == root / "step_3"
+        assert store.resolve(_state(tmp_path)) == root / "step_3"
     text = caplog.text
     assert "ignoring incomplete checkpoint" in text and ".tmp_step_9" in text and "step_8" in text
     assert "ignoring unpublished checkpoint" in text and "step_7" in text
@@ -43,7 +43,7 @@ def test_only_latest_is_trusted(tmp_path, caplog):
 def test_first_save_killed_starts_fresh_and_says_so(tmp_path, caplog):
     (tmp_path / "checkpoints" / ".tmp_step_5").mkdir(parents=True)
     with caplog.at_level(logging.WARNING, logger="ftcore"):
-        assert checkpoint.resolve(_state(tmp_path)) is None
+        assert store.resolve(_state(tmp_path)) is None
     assert ".tmp_step_5" in caplog.text
 
 
@@ -52,28 +52,28 @@ def test_dangling_latest_and_bad_paths(tmp_path):
     root.mkdir()
     (root / "latest").write_text("step_4\n")
     with pytest.raises(FtcoreError, match="step_4, which does not exist"):
-        checkpoint.resolve(_state(tmp_path))
+        store.resolve(_state(tmp_path))
     with pytest.raises(FtcoreError, match="no checkpoint directory"):
-        checkpoint.resolve(_state(tmp_path, str(tmp_path / "nope")))
-    assert checkpoint.resolve(_state(tmp_path, "never")) is None
+        store.resolve(_state(tmp_path, str(tmp_path / "nope")))
+    assert store.resolve(_state(tmp_path, "never")) is None
 
 
 def test_manifest_checks_name_the_file(tmp_path):
     d = _complete(tmp_path, 1)
-    ckpt_files.check_manifest(d, checksums=False)  # sizes match
+    files.check_manifest(d, checksums=False)  # sizes match
     (d / "common.pt").write_bytes(b"x" * 4)
     with pytest.raises(FtcoreError, match=r"common\.pt is corrupt: 4 bytes, 10 written"):
-        ckpt_files.check_manifest(d, checksums=False)
+        files.check_manifest(d, checksums=False)
     (d / "manifest.json").write_text("{not json")
     with pytest.raises(FtcoreError, match=r"manifest\.json is corrupt"):
-        ckpt_files.check_manifest(d, checksums=True)
+        files.check_manifest(d, checksums=True)
 
 
 def test_another_model_or_peft_mode_is_refused(tmp_path):
     from omegaconf import OmegaConf
 
-    from ftcore import resume
-    from ftcore.config import compose
+    from ftcore.checkpoint import resume
+    from ftcore.config.schema import compose
     from tests.tiny import TINY
 
     saved = compose(TINY)

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from ftcore.config import compose, conf_dir
+from ftcore.config.checks import validate
+from ftcore.config.schema import compose, conf_dir
 from ftcore.errors import FtcoreError
-from ftcore.validate import validate
 
 EXPS = sorted(p.stem for p in (conf_dir() / "exp").glob("*.yaml"))
 

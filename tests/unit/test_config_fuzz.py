@@ -3,7 +3,7 @@ contradictory combinations) each end with exit 0 or exit 2 and one `ftcore error
 traceback (exit 1).
 
 Most cases run in this process through ftcore.cli.main with what each entry point runs before
-anything is built: ftcore.train's launch check (validate.check_for_launch) and ftcore.plan's whole
+anything is built: ftcore.train's launch check (checks.check_for_launch) and ftcore.plan's whole
 task (on a GPU cluster: `local_cpu` would probe this host's matmul rate, planner/host.py). A
 handful run the real `python -m ftcore.plan` / `ftcore.train` (train only on cases that fail
 validation, so nothing trains).
@@ -19,10 +19,11 @@ import sys
 
 import pytest
 
-from ftcore import cli, plan, validate
-from ftcore.config import assets_dir
-from ftcore.ranges import RANGES
-from ftcore.validate import CHOICES
+from ftcore import cli, plan
+from ftcore.config import checks
+from ftcore.config.checks import CHOICES
+from ftcore.config.ranges import RANGES
+from ftcore.config.schema import assets_dir
 
 SEED = int(os.environ.get("FTCORE_FUZZ_SEED", "28"))
 CASES = int(os.environ.get("FTCORE_FUZZ_CASES", "60"))
@@ -108,7 +109,7 @@ def cases(seed: int, n: int) -> list[list[str]]:
 
 def _train_checks(cfg):
     """What ftcore.train does before anything is built (dist.launch_standalone's check)."""
-    validate.check_for_launch(cfg, cfg.launcher.nproc_per_node)
+    checks.check_for_launch(cfg, cfg.launcher.nproc_per_node)
 
 
 def _plan_overrides(ov: list[str]) -> list[str]:

@@ -1,5 +1,5 @@
 """ftcore's container runs every shipped recipe (issue 24, finding 7): the Dockerfile's NGC base is
-in ftcore/ngc.py's table, its Transformer Engine is new enough for every conf/precision recipe, and
+in ftcore/precision/ngc.py's table, its Transformer Engine is new enough for every conf/precision recipe, and
 the image requires TE (FTCORE_GPU_REQUIRE_TE=1) and checks the installed TE when it is built."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ftcore import ngc
-from ftcore.precision import RECIPES
+from ftcore.precision import ngc
+from ftcore.precision.recipes import RECIPES
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -16,7 +16,9 @@ DOCKERFILE = ROOT / "Dockerfile"
 
 def test_pinned_base_runs_every_shipped_recipe():
     tag = ngc.pinned_tag(DOCKERFILE)
-    assert tag in ngc.IMAGES, f"nvcr.io/nvidia/pytorch:{tag}-py3 has no row in ftcore/ngc.py"
+    assert tag in ngc.IMAGES, (
+        f"nvcr.io/nvidia/pytorch:{tag}-py3 has no row in ftcore/precision/ngc.py"
+    )
     image = ngc.IMAGES[tag]
     assert ngc.too_new_for(image.te) == [], f"TE {image.te} of NGC {tag}"
     blockwise = RECIPES["blockwise"]
@@ -34,4 +36,4 @@ def test_every_recipe_is_checked():
 def test_image_requires_te_and_checks_it_at_build():
     text = DOCKERFILE.read_text()
     assert re.search(r"FTCORE_GPU_REQUIRE_TE=1", text)
-    assert "python -m ftcore.ngc" in text
+    assert "python -m ftcore.precision.ngc" in text

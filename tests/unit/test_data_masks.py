@@ -13,8 +13,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from ftcore.data.templates import CHATML_TEMPLATE, BadRecord, Renderer
+from ftcore.data.tokenizer import bundled_tokenizer_dir
 from ftcore.errors import FtcoreError
-from ftcore.tokenizer import bundled_tokenizer_dir
 
 SH, EH, EOT, BOS = "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|begin_of_text|>"
 
@@ -240,7 +240,7 @@ def test_template_from_file(tok, tmp_path):
 
 def test_prompt_for_accuracy(tok):
     """The prompt is the conversation up to the last assistant turn plus its generation prompt."""
-    from ftcore.config import compose
+    from ftcore.config.schema import compose
     from ftcore.data.pipeline import load_prompts
 
     r = Renderer(tok, "instruction", None)

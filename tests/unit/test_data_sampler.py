@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftcore.config import compose
+from ftcore.config.schema import compose
 from ftcore.data.pipeline import build_train_loader, build_val_batches
-from ftcore.tokenizer import load_tokenizer
+from ftcore.data.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from ftcore.cli import main as cli_main
-from ftcore.config import compose
+from ftcore.config.schema import compose
 from ftcore.data import tokenized
 from ftcore.data.pipeline import build_train_loader
+from ftcore.data.tokenizer import load_tokenizer
 from ftcore.errors import FtcoreError
-from ftcore.tokenizer import load_tokenizer
 
 GOOD_I = {"instruction": "What is 1 + 2?", "output": "3"}
 GOOD_C = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}

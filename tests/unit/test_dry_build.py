@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ftcore import planner
-from ftcore.config import compose, conf_dir
+from ftcore.config.schema import compose, conf_dir
 from ftcore.errors import FtcoreError
 from ftcore.planner import dry_build
 

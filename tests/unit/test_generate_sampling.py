@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ftcore.generate import _choose, nucleus
+from ftcore.inference.generation import _choose, nucleus
 from tests.unit.test_preflight import cli
 
 

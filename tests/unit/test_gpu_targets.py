@@ -1,7 +1,7 @@
 """Every config the GPU path runs passes ftcore's validation on its target GPU, checked on CPU:
 each `conf/exp` file and each run of tests/gpu (tests/gpu/cases.py), with the GPU of its cluster
 simulated (compute capability from conf/cluster) and the Transformer Engine and CUDA versions of
-ftcore's pinned container (ftcore/ngc.py). Only TE's own run-time probe is skipped: it needs the
+ftcore's pinned container (ftcore/precision/ngc.py). Only TE's own run-time probe is skipped: it needs the
 device. A config validation refuses on CUDA (tests/gpu once ran packing with micro-batch 4) fails here.
 """
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from ftcore import ngc, precision
-from ftcore.config import compose, conf_dir
+from ftcore.config.checks import validate
+from ftcore.config.schema import compose, conf_dir
 from ftcore.errors import FtcoreError
-from ftcore.validate import validate
+from ftcore.precision import hardware, ngc
 from tests.gpu.cases import CASES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ EXPS = sorted(p.stem for p in (conf_dir() / "exp").glob("*.yaml"))
 
 
 def check_on_target(cfg, launched: int) -> int:
-    device = precision.simulated_device(cfg, te=IMAGE.te, cuda_version=IMAGE.cuda)
+    device = hardware.simulated_device(cfg, te=IMAGE.te, cuda_version=IMAGE.cuda)
     return validate(cfg, launched, device=device)
 
 
@@ -64,7 +64,7 @@ def test_the_check_refuses_what_cuda_refuses():
     with pytest.raises(FtcoreError, match="compute capability"):
         check_on_target(compose([*nvfp4, "cluster=h100"]), 1)
     cfg = compose(nvfp4)
-    dev = precision.simulated_device(cfg, te="2.4.0", cuda_version=IMAGE.cuda)
+    dev = hardware.simulated_device(cfg, te="2.4.0", cuda_version=IMAGE.cuda)
     with pytest.raises(FtcoreError, match="Transformer Engine >= 2.7"):
         validate(cfg, 1, device=dev)
 
@@ -73,7 +73,7 @@ def test_require_te_turns_a_missing_te_into_an_error(monkeypatch):
     monkeypatch.setenv("FTCORE_GPU_REQUIRE_TE", "1")
     cfg = compose(CASES["bf16_te"].overrides())
     assert cfg.gpu.require_te is True
-    no_te = precision.simulated_device(cfg, te=None, cuda_version=IMAGE.cuda)
+    no_te = hardware.simulated_device(cfg, te=None, cuda_version=IMAGE.cuda)
     with pytest.raises(FtcoreError, match="gpu.require_te"):
         validate(cfg, 1, device=no_te)
     monkeypatch.delenv("FTCORE_GPU_REQUIRE_TE")

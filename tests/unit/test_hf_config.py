@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ftcore.config import compose
+from ftcore.config.schema import compose
 from ftcore.errors import FtcoreError
 from ftcore.hf.config import hf_config_dict, merge_hf_config, model_fields, read_hf_config
 from tests.dist.hf_helpers import ROPE, VOCAB, hf_config

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ftcore.config import compose
+from ftcore.config.schema import compose
 from ftcore.data import pipeline, transfer
 from ftcore.data.packing import MicroBatch, cu_seqlens_from_segments, make_microbatch, pack
 from ftcore.data.templates import Doc
@@ -65,8 +65,8 @@ def test_cu_seqlens_edge_cases():
 def test_packed_seq_params_reuse_the_microbatch_cu_seqlens(monkeypatch):
     """The forward step of each virtual stage reads the micro-batch's cu_seqlens; it never
     recomputes them from the segment ids."""
-    from ftcore import step
     from ftcore.data import packing
+    from ftcore.training import step
 
     mb = random_microbatch(np.random.default_rng(0))
 
@@ -174,7 +174,7 @@ def test_gpu_transformer_config_fuses_rope(monkeypatch):
 def test_loss_read_once_and_unchanged():
     """The step's loss and token sums: one read of all micro-batch outputs, the same numbers as
     summing each output's floats on the host (what the trainer did per micro-batch)."""
-    from ftcore.step import loss_sums
+    from ftcore.training.step import loss_sums
 
     g = torch.Generator().manual_seed(0)
     for n in (1, 3, 17):
@@ -192,7 +192,7 @@ def test_target_rows_width_from_the_host_mask(seed):
     the device count it replaces, and the same attention output."""
     from ftcore.data.packing import attention_mask_from_segments
     from ftcore.models import target_logits
-    from ftcore.models.attention import attention_at_rows
+    from ftcore.models.local.attention import attention_at_rows
 
     rng = np.random.default_rng(seed)
     b, s = int(rng.integers(1, 5)), int(rng.integers(2, 24))

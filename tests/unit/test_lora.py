@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from ftcore.config import compose
+from ftcore.config.schema import compose
 from ftcore.errors import FtcoreError
 from ftcore.hf import mappings
 from ftcore.models.sharding import ShardInfo, take_shard

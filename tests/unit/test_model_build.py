@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftcore.config import compose
+from ftcore.config.schema import compose
 from tests.tiny import TINY
 
 TARGETS = "peft.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]"
@@ -234,8 +234,8 @@ def test_build_uses_the_configured_init(runtime):
 
 
 def test_bad_init_method_is_a_config_error():
+    from ftcore.config.checks import validate
     from ftcore.errors import FtcoreError
-    from ftcore.validate import validate
 
     with pytest.raises(FtcoreError) as e:
         validate(compose([*TINY, "model.init_method=fast"]), 1)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from ftcore import planner
-from ftcore.config import compose
+from ftcore.config.schema import compose
 from ftcore.errors import FtcoreError
 from ftcore.planner import memory, params
 from ftcore.planner.memory import GiB

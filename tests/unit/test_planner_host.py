@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftcore.config import compose
+from ftcore.config.schema import compose
 from ftcore.planner import plan
 from ftcore.planner.memory import GiB, host_bytes, model_state
 from tests.tiny import TINY

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ftcore import planner
-from ftcore.config import compose
+from ftcore.config.schema import compose
 from ftcore.errors import FtcoreError
 from ftcore.planner import memory, params
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.config import compose
+from ftcore.config.schema import compose
 from ftcore.planner import flops, host
 from ftcore.planner.throughput import throughput
 

@@ -10,9 +10,9 @@ from megatron.core.fp8_utils import is_first_last_bf16_layer
 from megatron.core.transformer import TransformerConfig
 from omegaconf import OmegaConf
 
-from ftcore import precision
-from ftcore.config import compose
+from ftcore.config.schema import compose
 from ftcore.errors import FtcoreError
+from ftcore.precision import hardware, recipes
 
 OPTIONS = ["fp32", "bf16", "fp8_delayed", "fp8_cs", "fp8_blockwise", "mxfp8", "nvfp4"]
 BF16 = torch.bfloat16
@@ -60,14 +60,14 @@ def tiny_tc(cfg, **extra) -> TransformerConfig:
     kw = dict(num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
               num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
               use_cpu_initialization=True)  # fmt: skip
-    kw.update(precision.transformer_config_kwargs(cfg))
+    kw.update(recipes.transformer_config_kwargs(cfg))
     kw.update(extra)
     return TransformerConfig(**kw)
 
 
 @pytest.mark.parametrize("name", OPTIONS)
 def test_transformer_config_kwargs_field_by_field(configs, name):
-    kw = precision.transformer_config_kwargs(configs[name])
+    kw = recipes.transformer_config_kwargs(configs[name])
     assert kw == EXPECTED[name]
 
 
@@ -81,32 +81,32 @@ def test_megatron_accepts_the_fields(configs, name):
 def test_options_map_onto_megatron_and_te_names(configs):
     for name in OPTIONS:
         cfg = configs[name]
-        precision.check_config(cfg)  # every shipped option is valid on the tiny run
-        r = precision.recipe_name(cfg)
-        assert precision.is_quantized(cfg) == (r is not None)
-    assert precision.recipe_name(configs["fp8_cs"]) == "tensorwise"
-    assert precision.recipe_name(configs["nvfp4"]) == "nvfp4"
+        recipes.check_config(cfg)  # every shipped option is valid on the tiny run
+        r = recipes.recipe_name(cfg)
+        assert recipes.is_quantized(cfg) == (r is not None)
+    assert recipes.recipe_name(configs["fp8_cs"]) == "tensorwise"
+    assert recipes.recipe_name(configs["nvfp4"]) == "nvfp4"
 
 
 def test_fp8_options_override_each_field(configs):
     cfg = with_(configs["fp8_delayed"], precision__fp8_format="e4m3", precision__fp8_margin=1,
                 precision__fp8_amax_history_len=16, precision__fp8_amax_compute_algo="most_recent",
                 precision__fp8_attention=True, precision__fp8_param_gather=True)  # fmt: skip
-    kw = precision.transformer_config_kwargs(cfg)
+    kw = recipes.transformer_config_kwargs(cfg)
     assert (kw["fp8"], kw["fp8_margin"], kw["fp8_amax_history_len"]) == ("e4m3", 1, 16)
     assert kw["fp8_amax_compute_algo"] == "most_recent"
     assert kw["fp8_dot_product_attention"] is True and kw["fp8_param"] is True
-    assert precision.ddp_config_kwargs(cfg) == {"fp8_param_gather": True}
+    assert recipes.ddp_config_kwargs(cfg) == {"fp8_param_gather": True}
     tc = tiny_tc(cfg)
     assert tc.fp8_param and tc.fp8_dot_product_attention
 
     cfg = with_(configs["fp8_cs"], precision__first_last_bf16_layers=1)
-    kw = precision.transformer_config_kwargs(cfg)
+    kw = recipes.transformer_config_kwargs(cfg)
     assert kw["first_last_layers_bf16"] and kw["num_layers_at_start_in_bf16"] == 1
     cfg = with_(configs["nvfp4"], precision__fp8_param_gather=True)
-    assert precision.transformer_config_kwargs(cfg)["fp4_param"] is True
-    assert precision.ddp_config_kwargs(cfg) == {"fp8_param_gather": True}
-    assert precision.ddp_config_kwargs(configs["bf16"]) == {"fp8_param_gather": False}
+    assert recipes.transformer_config_kwargs(cfg)["fp4_param"] is True
+    assert recipes.ddp_config_kwargs(cfg) == {"fp8_param_gather": True}
+    assert recipes.ddp_config_kwargs(configs["bf16"]) == {"fp8_param_gather": False}
 
 
 @pytest.mark.parametrize("name", ["fp8_cs", "nvfp4"])
@@ -131,11 +131,11 @@ EXPECTED_RECIPES = {
 
 @pytest.mark.parametrize("name", OPTIONS)
 def test_te_recipe_spec(configs, name):
-    assert precision.te_recipe_spec(configs[name]) == EXPECTED_RECIPES[name]
+    assert recipes.te_recipe_spec(configs[name]) == EXPECTED_RECIPES[name]
 
 
 def test_te_recipe_is_none_without_quantization(configs):
-    assert precision.te_recipe(configs["bf16"]) is None  # never touches TE
+    assert recipes.te_recipe(configs["bf16"]) is None  # never touches TE
 
 
 BAD = [
@@ -164,7 +164,7 @@ BAD = [
 @pytest.mark.parametrize("name,over,field,words", BAD)
 def test_check_config_refuses(configs, name, over, field, words):
     with pytest.raises(FtcoreError) as e:
-        precision.check_config(with_(configs[name], **over))
+        recipes.check_config(with_(configs[name], **over))
     assert e.value.field == field and words in str(e.value)
 
 
@@ -180,7 +180,7 @@ def test_check_hardware_on_cpu_names_needs_and_fallback(configs, name):
     if torch.cuda.is_available():
         pytest.skip("tests the CPU message")
     with pytest.raises(FtcoreError) as e:
-        precision.check_hardware(configs[name])
+        hardware.check_hardware(configs[name])
     msg = str(e.value)
     assert e.value.field == "precision"
     assert "compute capability" in msg and "no CUDA device" in msg
@@ -189,15 +189,15 @@ def test_check_hardware_on_cpu_names_needs_and_fallback(configs, name):
 
 @pytest.mark.parametrize("name", ["fp32", "bf16"])
 def test_check_hardware_passes_fp32_bf16_on_cpu(configs, name):
-    precision.check_hardware(configs[name])
+    hardware.check_hardware(configs[name])
 
 
 def test_qlora_with_fp8_is_refused(configs):
     cfg = with_(configs["fp8_cs"], peft__name="qlora")
     with pytest.raises(FtcoreError, match="NF4") as e:
-        precision.check_hardware(cfg)
+        hardware.check_hardware(cfg)
     assert e.value.field == "precision" and "peft=lora" in str(e.value)
-    precision.check_hardware(with_(configs["bf16"], peft__name="qlora"))
+    hardware.check_hardware(with_(configs["bf16"], peft__name="qlora"))
 
 
 # (recipe, compute capability, CUDA toolkit) -> runs?
@@ -220,7 +220,7 @@ SUPPORT = [
 
 @pytest.mark.parametrize("recipe,cc,cuda,ok", SUPPORT)
 def test_supported_on(recipe, cc, cuda, ok):
-    runs, why = precision.supported_on(recipe, cc, cuda)
+    runs, why = hardware.supported_on(recipe, cc, cuda)
     assert runs == ok
     assert (why == "") == ok
 
@@ -231,7 +231,7 @@ def test_supported_on(recipe, cc, cuda, ok):
      ("fp8_cs", 7.0, 12.4, "fp32"), ("fp8_cs", 9.0, 12.4, "fp8_delayed"), ("fp8_cs", None, None, "bf16 or fp32")],
 )  # fmt: skip
 def test_fallback(exclude, cc, cuda, expected):
-    assert precision.fallback(cc, exclude, cuda) == expected
+    assert hardware.fallback(cc, exclude, cuda) == expected
 
 
 def test_check_hardware_on_a_gpu_lacking_the_recipe(configs, monkeypatch):
@@ -239,47 +239,47 @@ def test_check_hardware_on_a_gpu_lacking_the_recipe(configs, monkeypatch):
     FP8 itself passes the capability check and then needs Transformer Engine (absent here)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    monkeypatch.setattr(precision, "_te", lambda: None)
+    monkeypatch.setattr(hardware, "te_module", lambda: None)
     gpu = {"cluster__device": "cuda"}
     with pytest.raises(FtcoreError, match="compute capability 10.x") as e:
-        precision.check_hardware(with_(configs["mxfp8"], **gpu))
+        hardware.check_hardware(with_(configs["mxfp8"], **gpu))
     assert "9.0" in str(e.value) and e.value.fix == "use precision=fp8_cs on this GPU"
     with pytest.raises(FtcoreError, match="Transformer Engine, which is not installed"):
-        precision.check_hardware(with_(configs["fp8_cs"], **gpu))
+        hardware.check_hardware(with_(configs["fp8_cs"], **gpu))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 0))
     with pytest.raises(FtcoreError, match="BF16 needs compute capability"):
-        precision.check_hardware(with_(configs["bf16"], **gpu))
+        hardware.check_hardware(with_(configs["bf16"], **gpu))
 
 
 def test_te_version_gate(configs, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
-    monkeypatch.setattr(precision, "te_version", lambda: "2.5.0")
+    monkeypatch.setattr(hardware, "te_version", lambda: "2.5.0")
     with pytest.raises(FtcoreError, match=r"Transformer Engine >= 2.7.0.dev0; 2.5.0") as e:
-        precision.check_hardware(with_(configs["nvfp4"], cluster__device="cuda"))
+        hardware.check_hardware(with_(configs["nvfp4"], cluster__device="cuda"))
     assert "precision=fp8_cs" in e.value.fix
-    monkeypatch.setattr(precision, "te_version", lambda: "2.8.0+abc123")
-    monkeypatch.setattr(precision, "te_supports", lambda name: (True, ""))
-    precision.check_hardware(with_(configs["nvfp4"], cluster__device="cuda"))
+    monkeypatch.setattr(hardware, "te_version", lambda: "2.8.0+abc123")
+    monkeypatch.setattr(hardware, "te_supports", lambda name: (True, ""))
+    hardware.check_hardware(with_(configs["nvfp4"], cluster__device="cuda"))
 
 
 def test_cpu_paths_use_local_spec_and_no_te(configs):
     cfg = configs["fp8_cs"]
     if torch.cuda.is_available():
         pytest.skip("CPU behaviour")
-    assert not precision.use_te(cfg) and precision.layer_spec(cfg) is None
-    assert not precision.use_te(with_(cfg, cluster__device="cuda"))
-    assert precision.te_version() is None
+    assert not recipes.use_te(cfg) and recipes.layer_spec(cfg) is None
+    assert not recipes.use_te(with_(cfg, cluster__device="cuda"))
+    assert recipes.te_version() is None
     x = torch.randn(3, 4)
-    assert precision.high_precision(x) is x
+    assert recipes.high_precision(x) is x
 
 
 def test_adapter_autocast_off_is_a_transparent_noop_without_te(configs):
     lin = torch.nn.Linear(4, 2)
     x = torch.randn(3, 4)
-    with precision.adapter_autocast_off():
+    with recipes.adapter_autocast_off():
         y = lin(x)
-    with precision.autocast(configs["fp8_cs"]):
+    with recipes.autocast(configs["fp8_cs"]):
         y2 = lin(x)
     torch.testing.assert_close(y, y2)
     y.sum().backward()
@@ -289,11 +289,11 @@ def test_adapter_autocast_off_is_a_transparent_noop_without_te(configs):
 @pytest.mark.parametrize("name", OPTIONS)
 def test_check_merge(configs, name):
     cfg = configs[name]
-    if not precision.is_quantized(cfg):
-        precision.check_merge(cfg)
+    if not recipes.is_quantized(cfg):
+        recipes.check_merge(cfg)
         return
     with pytest.raises(FtcoreError, match="round away") as e:
-        precision.check_merge(cfg)
+        recipes.check_merge(cfg)
     assert e.value.field == "export.merge" and "export.merge=false" in e.value.fix
 
 
@@ -313,14 +313,14 @@ def test_merge_refusal_reason_holds_in_fp8():
 
 
 def test_cluster_supports(configs):
-    assert precision.cluster_supports(configs["bf16"]) == (True, "")
-    ok, why = precision.cluster_supports(configs["fp8_cs"])  # local_cpu
+    assert hardware.cluster_supports(configs["bf16"]) == (True, "")
+    ok, why = hardware.cluster_supports(configs["fp8_cs"])  # local_cpu
     assert not ok and "compute capability >= 8.9" in why
     h100 = dict(cluster__device="cuda", cluster__compute_capability=9.0)
-    assert precision.cluster_supports(with_(configs["fp8_cs"], **h100))[0]
-    assert not precision.cluster_supports(with_(configs["nvfp4"], **h100))[0]
+    assert hardware.cluster_supports(with_(configs["fp8_cs"], **h100))[0]
+    assert not hardware.cluster_supports(with_(configs["nvfp4"], **h100))[0]
     b200 = dict(cluster__device="cuda", cluster__compute_capability=10.0)
-    assert precision.cluster_supports(with_(configs["nvfp4"], **b200))[0]
+    assert hardware.cluster_supports(with_(configs["nvfp4"], **b200))[0]
 
 
 def test_export_refuses_merging_into_an_fp8_trained_base(configs, tmp_path):

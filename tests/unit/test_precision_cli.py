@@ -13,14 +13,14 @@ import torch
 
 def _train_importable() -> bool:
     try:
-        import ftcore.trainer  # noqa: F401
+        import ftcore.training.trainer  # noqa: F401
     except ImportError:
         return False
     return True
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the CPU refusal")
-@pytest.mark.skipif(not _train_importable(), reason="ftcore.trainer is not importable yet")
+@pytest.mark.skipif(not _train_importable(), reason="ftcore.training.trainer is not importable yet")
 def test_train_fp8_on_cpu_exits_2_without_traceback(tmp_path: Path):
     # on cluster=local_cpu: a GPU cluster (exp/70b_fp8) is refused before this, for having no CUDA
     # device at all (tests/unit/test_preflight.py)

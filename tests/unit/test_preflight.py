@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftcore.config import compose
+from ftcore.config.checks import validate
+from ftcore.config.schema import compose
 from ftcore.errors import FtcoreError
 from ftcore.peft.layers import Geometry
 from ftcore.peft.lora import LoraSettings
-from ftcore.validate import validate
 from tests.cli import cli, error_line  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +66,7 @@ def test_train_refuses_an_adapter_next_to_full_fine_tuning(tmp_path):
 
 
 def test_train_goes_on_training_an_adapter_on_the_base_it_names(tmp_path):
-    from ftcore.preflight import use_adapter
+    from ftcore.config.preflight import use_adapter
 
     ad = tiny_adapter(tmp_path / "hf_adapter")
     cfg = use_adapter(compose(["peft=lora", f"peft.adapter_path={ad}"]), training=True)
@@ -99,7 +99,7 @@ def test_allow_random_base_and_a_given_base_pass():
 
 
 def test_a_user_hf_path_wins_over_the_presets_bundled_base(tmp_path):
-    from ftcore.config import assets_dir
+    from ftcore.config.schema import assets_dir
     from ftcore.hf.io import weights_source
 
     cfg = compose(["+exp=tiny_lora", f"model.hf_path={assets_dir() / 'tiny_base'}"])

@@ -1,4 +1,4 @@
-"""A preset's optional evaluation adapts to the user's own model and data (ftcore/preset_eval.py):
+"""A preset's optional evaluation adapts to the user's own model and data (ftcore/config/presets.py):
 `+exp=tiny_lora` with the user's instruction file holds out a fraction of it; with text data its
 accuracy is skipped with one logged line; only what the user set explicitly is refused."""
 
@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from ftcore.config import assets_dir
+from ftcore.config.schema import assets_dir
 
 BASE = str(assets_dir() / "tiny_base")
 
@@ -78,9 +78,9 @@ def test_explicit_accuracy_without_held_out_data_is_refused(tmp_path):
 
 def test_held_out_prompts_are_the_validation_split(tmp_path):
     """Accuracy's prompts are the very documents data.val_fraction holds out of training."""
-    from ftcore.config import compose
+    from ftcore.config.schema import compose
     from ftcore.data.pipeline import _split, load_prompts
-    from ftcore.tokenizer import load_tokenizer
+    from ftcore.data.tokenizer import load_tokenizer
 
     data = _user_instructions(tmp_path / "mine.jsonl")
     cfg = compose([f"data.path={data}", "data.val_fraction=0.1", f"data.cache_dir={tmp_path}"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ftcore.config import compose
+from ftcore.config.schema import compose
 from tests.tiny import TINY
 from tests.unit.test_model_build import runtime  # noqa: F401 - the one-rank fixture
 

@@ -1,4 +1,4 @@
-"""Every numeric config field has a range (ftcore/ranges.py), checked before anything is built:
+"""Every numeric config field has a range (ftcore/config/ranges.py), checked before anything is built:
 out of range, NaN or inf is one `ftcore error:` line and exit 2, never a traceback."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ import typing
 
 import pytest
 
-from ftcore import cli, validate
-from ftcore.config import FtcoreConfig, compose
+from ftcore import cli
+from ftcore.config import checks
+from ftcore.config.ranges import RANGES, check_ranges
+from ftcore.config.schema import FtcoreConfig, compose
 from ftcore.errors import FtcoreError
-from ftcore.ranges import RANGES, check_ranges
 
 
 def _numeric_fields(cls, prefix: str = "") -> set[str]:
@@ -39,12 +40,12 @@ def _numeric_fields(cls, prefix: str = "") -> set[str]:
 
 def test_every_numeric_field_has_a_range():
     fields = _numeric_fields(FtcoreConfig)
-    assert fields - set(RANGES) == set(), "add these fields to ftcore/ranges.py RANGES"
+    assert fields - set(RANGES) == set(), "add these fields to ftcore/config/ranges.py RANGES"
     assert set(RANGES) - fields == set(), "RANGES names fields the schema does not have"
 
 
 def test_every_preset_is_in_range():
-    from ftcore.config import conf_dir
+    from ftcore.config.schema import conf_dir
 
     for exp in sorted(p.stem for p in (conf_dir() / "exp").glob("*.yaml")):
         check_ranges(compose([f"+exp={exp}"]))
@@ -69,7 +70,7 @@ def test_every_preset_is_in_range():
 )
 def test_out_of_range_names_the_field(override, field):
     with pytest.raises(FtcoreError, match=rf"^{re.escape(field)}: .* is not in"):
-        validate.validate(compose(["+exp=tiny_lora", override]), 1)
+        checks.validate(compose(["+exp=tiny_lora", override]), 1)
 
 
 @pytest.mark.parametrize(
@@ -77,16 +78,16 @@ def test_out_of_range_names_the_field(override, field):
     ["checkpoint.interval=0", "checkpoint.keep=0", "eval.interval=0", "train.grad_clip=0"],
 )
 def test_zero_keeps_its_meaning(override):
-    validate.validate(compose(["+exp=tiny_lora", override]), 1)
+    checks.validate(compose(["+exp=tiny_lora", override]), 1)
 
 
 def test_warmup_longer_than_the_run_is_clamped(caplog):
     import torch
 
-    from ftcore.optim import build_scheduler
+    from ftcore.training.optim import build_scheduler
 
     cfg = compose(["+exp=tiny_lora", "train.max_steps=4", "sched.warmup_steps=10"])
-    validate.validate(cfg, 1)  # not refused
+    checks.validate(cfg, 1)  # not refused
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
     with caplog.at_level("WARNING", logger="ftcore"):
         sched = build_scheduler(cfg, opt)
@@ -97,7 +98,7 @@ def test_warmup_longer_than_the_run_is_clamped(caplog):
 
 
 def test_cli_out_of_range_is_one_line(capsys):
-    status = cli.main("train", lambda cfg: validate.check_for_launch(cfg, 1) and None,
+    status = cli.main("train", lambda cfg: checks.check_for_launch(cfg, 1) and None,
                       ["+exp=tiny_lora", "model.init_std=-1"])  # fmt: skip
     err = capsys.readouterr().err
     assert status == 2 and err.count("ftcore error:") == 1 and "model.init_std" in err
@@ -113,4 +114,4 @@ def test_cli_out_of_range_is_one_line(capsys):
 )
 def test_contradictory_fields_are_refused(overrides, field):
     with pytest.raises(FtcoreError, match=rf"^{re.escape(field)}"):
-        validate.validate(compose(["+exp=tiny_full", *overrides]), 1)
+        checks.validate(compose(["+exp=tiny_full", *overrides]), 1)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from ftcore.launch import node, slurm_env
 
-from ftcore.config import compose, conf_dir
+from ftcore.config.schema import compose, conf_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 SLURM = ROOT / "slurm"

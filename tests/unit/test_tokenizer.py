@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from ftcore.config import compose
+from ftcore.config.schema import compose
+from ftcore.data.tokenizer import bundled_tokenizer_dir, load_tokenizer
 from ftcore.errors import FtcoreError
-from ftcore.tokenizer import bundled_tokenizer_dir, load_tokenizer
 
 SPECIALS = [
     "<|begin_of_text|>",
@@ -68,7 +68,7 @@ def test_regenerates_identically(tmp_path: Path):
 
 def test_sample_data_regenerates_identically(tmp_path: Path):
     from ftcore.assets import make_data
-    from ftcore.config import assets_dir
+    from ftcore.config.schema import assets_dir
 
     make_data.main(["--out", str(tmp_path)])
     for name in ("train.jsonl", "val.jsonl"):

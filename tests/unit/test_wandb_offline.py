@@ -105,8 +105,8 @@ def test_fresh_start_is_a_new_wandb_run(tmp_path, monkeypatch):
     """A run starting at step 0 in a directory that holds an old wandb_id (checkpoint.resume=never,
     or a crash before the first checkpoint) starts a new wandb run, as its metrics.jsonl starts
     anew; a resumed one (start step > 0) continues the id."""
-    from ftcore.config import compose
-    from ftcore.metrics import MetricsWriter
+    from ftcore.config.schema import compose
+    from ftcore.training.metrics import MetricsWriter
 
     for k, v in _env(tmp_path).items():
         monkeypatch.setenv(k, v)

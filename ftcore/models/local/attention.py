@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from ftcore.data.transfer import to_device
-from ftcore.models.gather import RowGather, gather
+from ftcore.models.local.gather import RowGather, gather
 
 
 @dataclass

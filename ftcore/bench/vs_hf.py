@@ -1,9 +1,9 @@
 """bench kind cpu_vs_hf: ftcore against the Hugging Face Trainer recipe, one epoch each.
 
-A small random HF Llama is saved once; each round runs the HF recipe (ftcore.bench_hf) and each
-ftcore configuration (ftcore.bench_worker with model.hf_path = that model) over the same documents,
+A small random HF Llama is saved once; each round runs the HF recipe (ftcore.bench.hf_recipe) and each
+ftcore configuration (ftcore.bench.worker with model.hf_path = that model) over the same documents,
 one process each, same threads: back to back, or side by side taking turns (bench.turns,
-ftcore.bench_turns). The lines hold non-padding tokens/s, the ratio to the HF run of the same round
+ftcore.bench.turns). The lines hold non-padding tokens/s, the ratio to the HF run of the same round
 and both eval losses.
 """
 
@@ -13,7 +13,7 @@ import logging
 
 from omegaconf import OmegaConf
 
-from ftcore.bench_runner import (
+from ftcore.bench.runner import (
     FIXED,
     Bench,
     Run,
@@ -23,7 +23,7 @@ from ftcore.bench_runner import (
     layout_of,
     load_avg,
 )
-from ftcore.bench_worker import PARTS
+from ftcore.bench.worker import PARTS
 from ftcore.errors import FtcoreError
 
 log = logging.getLogger("ftcore")
@@ -33,7 +33,7 @@ def run_cpu_vs_hf(b: Bench) -> None:
     """`bench.repeats` rounds of the HF recipe then each ftcore run, so that on a machine whose
     speed drifts each ftcore run has an HF run of its own minutes to be compared with; with
     `bench.turns` a round's runs take turns in slices of their epochs instead (bench_turns)."""
-    from ftcore.bench_hf import make_hf_model
+    from ftcore.bench.hf_recipe import make_hf_model
 
     rounds, turns = max(1, int(b.bench.repeats)), int(b.bench.turns)
     runs = expand_runs(b.bench)
@@ -54,11 +54,11 @@ def run_cpu_vs_hf(b: Bench) -> None:
         rdir = b.runs_dir / f"round{k + 1}" if rounds > 1 else b.runs_dir
         spec = {"model_dir": str(model_dir), "overrides": base, "batch_size": int(hf.get("batch_size", 16)),
                 "threads": threads, "work_dir": str(rdir / "hf_trainer" / "trainer")}  # fmt: skip
-        jobs = [("ftcore.bench_hf", [], spec, rdir / "hf_trainer", {})]
+        jobs = [("ftcore.bench.hf_recipe", [], spec, rdir / "hf_trainer", {})]
         for run in runs:
             ov = [*base, *run.overrides, *FIXED, f"launcher.threads_per_rank={threads}",
                   f"run.dir={rdir / run.label}"]  # fmt: skip
-            jobs.append(("ftcore.bench_worker", ov, {"epoch": True, "eval": True}, rdir / run.label, run.env))  # fmt: skip
+            jobs.append(("ftcore.bench.worker", ov, {"epoch": True, "eval": True}, rdir / run.label, run.env))  # fmt: skip
         if turns > 0:
             log.info("bench %s: round %d, %d runs taking turns in %d slices", b.bench.name, k + 1,
                      len(jobs), turns)  # fmt: skip

@@ -17,12 +17,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from omegaconf import DictConfig, OmegaConf
 
-from ftcore import metrics as metrics_mod
-from ftcore import optim
 from ftcore.errors import FtcoreError, StopRequested
 from ftcore.runtime import cpu, signals
 from ftcore.runtime import dist as rdist
-from ftcore.step import forward_step, loss_sums, microbatch_iterators
+from ftcore.training import metrics as metrics_mod
+from ftcore.training import optim
+from ftcore.training.step import forward_step, loss_sums, microbatch_iterators
 
 log = logging.getLogger("ftcore")
 
@@ -50,12 +50,13 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     """Build a run. `data=False` leaves state.loader empty (tests feed their own micro-batches).
     `kind` ("train", "eval", "generate"): eval and generate take no held-out split of data.path,
     keep out of the training runs' folder (rdist.decide_run_dir) and write no config.yaml."""
-    from ftcore import checkpoint, validate
+    from ftcore.checkpoint import store
+    from ftcore.config import checks
+    from ftcore.config.presets import adapt
     from ftcore.data.pipeline import build_train_loader, build_val_batches, set_steps_from_epochs
+    from ftcore.data.tokenizer import load_tokenizer
     from ftcore.models.builder import build_model, wrap_ddp
-    from ftcore.optim import build_optimizer, build_scheduler
-    from ftcore.preset_eval import adapt
-    from ftcore.tokenizer import load_tokenizer
+    from ftcore.training.optim import build_optimizer, build_scheduler
 
     training = kind == "train"
     # 1. HF shapes first, so every check below sees the real model; a preset's evaluation fitted
@@ -68,7 +69,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     adapt(cfg, training=training, say=rank == "0")
     # 2. Validate in the pinned order before anything heavy exists.
     launched = int(os.environ.get("WORLD_SIZE", "1"))
-    dp = validate.validate(cfg, launched)
+    dp = checks.validate(cfg, launched)
     # 3. Process group (gloo on CPU), then the CPU runtime before any megatron module is built.
     info = rdist.init_distributed(cfg)
     if info.device.type == "cpu":
@@ -127,7 +128,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
         log.info("run directory: %s", run_dir)
     # 12. Resume (model, optimizer, schedule, data position, RNG) from checkpoints/latest.
     #     (Stop-request handlers are installed by fit(), for exactly as long as it checks them.)
-    checkpoint.maybe_resume(state)
+    store.maybe_resume(state)
     return state
 
 
@@ -247,7 +248,7 @@ def _handle_bad_step(state: TrainState, out: dict) -> None:
 
 
 def fit(state: TrainState) -> None:
-    from ftcore import checkpoint
+    from ftcore.checkpoint import store
 
     cfg = state.cfg
     rank0 = state.info.rank == 0
@@ -258,7 +259,7 @@ def fit(state: TrainState) -> None:
         log.info("training %d steps (dp=%d, %d micro-batches/step/rank)", cfg.train.max_steps, state.dp,
                  cfg.train.global_batch_size // (cfg.train.micro_batch_size * state.dp))  # fmt: skip
     if cfg.eval.accuracy and state.step == 0:  # held-out exact match of the starting model
-        from ftcore.generate import accuracy
+        from ftcore.inference.exact_match import accuracy
 
         state.extra["accuracy_before"] = accuracy(state, "before fine-tuning")
     timer = metrics_mod.StepTimer()
@@ -293,15 +294,15 @@ def fit(state: TrainState) -> None:
                 val = evaluate(state)
                 writer.write({"step": state.step, "eval_loss": val})
                 state.extra.setdefault("eval_losses", []).append((state.step, val))
-            checkpoint.poll(state)  # publish a finished background save (GPU)
+            store.poll(state)  # publish a finished background save (GPU)
             if cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0:
-                checkpoint.save(state)
+                store.save(state)
             reason = signals.stop_reason(cfg, state.run_dir, start_time)
             if reason and state.step < cfg.train.max_steps:
-                checkpoint.save(state, blocking=True)  # a no-op if this step's is already published
+                store.save(state, blocking=True)  # a no-op if this step's is already published
                 signals.consume(cfg, state.run_dir, state.info.rank)
                 raise StopRequested(state.step, reason)
-            for hook in state.after_step:  # the benchmark's turn-taking (ftcore.bench_turns)
+            for hook in state.after_step:  # the benchmark's turn-taking (ftcore.bench.turns)
                 hook(state)
             timer.exclude(time.perf_counter() - t0)
         finish(state)
@@ -312,14 +313,14 @@ def fit(state: TrainState) -> None:
 
 def finish(state: TrainState) -> None:
     """End of a run: a last checkpoint, then the Hugging Face artefacts (hf_adapter/ or hf_model/)."""
-    from ftcore import checkpoint
+    from ftcore.checkpoint import store
 
     cfg = state.cfg
-    if cfg.checkpoint.save_at_end and not checkpoint.exists(state, state.step):
-        checkpoint.save(state)
-    checkpoint.wait(state)
+    if cfg.checkpoint.save_at_end and not store.exists(state, state.step):
+        store.save(state)
+    store.wait(state)
     if cfg.eval.accuracy:
-        from ftcore.generate import accuracy
+        from ftcore.inference.exact_match import accuracy
 
         accuracy(state, "after fine-tuning", before=state.extra.get("accuracy_before"))
     if cfg.peft.name != "none":

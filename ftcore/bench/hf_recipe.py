@@ -5,7 +5,7 @@ projections), `DataCollatorForSeq2Seq` padding each batch to its longest sample,
 labelled -100, AdamW with ftcore's settings, one epoch, one process. The documents are ftcore's own
 rendering of the same records (same token ids, same truncation), so both sides see exactly the same
 tokens; tokenization is outside the timed part on both sides. Run as
-`python -m ftcore.bench_hf` with FTCORE_BENCH_SPEC naming {"out", "model_dir", "overrides",
+`python -m ftcore.bench.hf_recipe` with FTCORE_BENCH_SPEC naming {"out", "model_dir", "overrides",
 "batch_size", "threads"}; it writes the result JSON.
 """
 
@@ -18,7 +18,7 @@ import resource
 import time
 from pathlib import Path
 
-from ftcore.bench_turns import Turn
+from ftcore.bench.turns import Turn
 
 SPEC_ENV = "FTCORE_BENCH_SPEC"
 DEFAULT_SHAPE = {  # the tiny model's shape: a few million parameters on the bundled tokenizer
@@ -38,7 +38,7 @@ def make_hf_model(out_dir: str | Path, shape: dict | None = None, seed: int = 12
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ftcore.config import assets_dir
+    from ftcore.config.schema import assets_dir
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -126,7 +126,7 @@ def train_hf(spec: dict) -> dict:
     )
     from transformers.utils import logging as hf_logging
 
-    from ftcore.config import compose
+    from ftcore.config.schema import compose
 
     hf_logging.set_verbosity_error()
     if spec.get("threads"):

@@ -7,7 +7,7 @@ then replaces `latest`, then drops checkpoints beyond `checkpoint.keep`. A crash
 leaves the previous `latest`. On GPU the tensor files are written in the background
 (`checkpoint.async_save`) and the publish runs when every rank's writes are done; on CPU the
 save is synchronous (megatron's async writer hangs there, see shared/notes/megatron_on_cpu.md).
-What the checkpoint holds and how a run is restored: ftcore/resume.py.
+What the checkpoint holds and how a run is restored: ftcore/checkpoint/resume.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from ftcore import ckpt_files, resume
+from ftcore.checkpoint import files, resume
 from ftcore.errors import FtcoreError
 from ftcore.runtime import cpu
 
@@ -116,7 +116,7 @@ def save(state, *, blocking: bool = False) -> Path:
     final = root / f"step_{state.step}"
     if exists(state, state.step):
         return final  # this run saved or resumed this very step
-    tmp = root / f"{ckpt_files.TMP_PREFIX}{state.step}"
+    tmp = root / f"{files.TMP_PREFIX}{state.step}"
     t0 = time.perf_counter()
     if _rank0(state):
         shutil.rmtree(tmp, ignore_errors=True)
@@ -146,10 +146,10 @@ def save(state, *, blocking: bool = False) -> Path:
 
 def _publish(state, tmp: Path, final: Path, sd: dict, step: int, t0: float) -> None:
     """Collective: verify, manifest, rename, point `latest` at it, apply `keep`."""
-    ckpt_files.verify_written(tmp, sd)
+    files.verify_written(tmp, sd)
     if _rank0(state):
         (tmp / "config.yaml").write_text(_config_yaml(state))
-    ckpt_files.write_manifest(tmp, {"step": step, "layout": resume.layout()})
+    files.write_manifest(tmp, {"step": step, "layout": resume.layout()})
     _barrier()
     if _rank0(state):
         _fsync_dir(tmp)
@@ -183,9 +183,9 @@ def _apply_keep(state, step: int) -> None:
     """Keep the newest `checkpoint.keep` checkpoints up to `step` (0 = all); drop leftovers of
     unfinished saves. Directories of later steps (an abandoned future after resume=PATH) stay."""
     keep = state.cfg.checkpoint.keep
-    found = ckpt_files.scan(ckpt_root(state))
+    found = files.scan(ckpt_root(state))
     for d in found.incomplete:
-        if d.name != f"{ckpt_files.TMP_PREFIX}{step}":
+        if d.name != f"{files.TMP_PREFIX}{step}":
             shutil.rmtree(d, ignore_errors=True)
     if keep > 0:
         older = [d for s, d in found.complete if s <= step]
@@ -224,7 +224,7 @@ def resolve(state) -> Path | None:
                               fix="a step_<N> directory, auto or never")  # fmt: skip
         return path
     root = ckpt_root(state)
-    found = ckpt_files.scan(root)
+    found = files.scan(root)
     published = found.published
     if _rank0(state):
         for d in found.incomplete:
@@ -255,7 +255,7 @@ def _step_of(path: Path | None) -> int:
 
 def load(state, path: Path) -> list[str]:
     """Collective: check, load and restore `path` into the run; returns notes on what changed."""
-    ckpt_files.check_manifest(path, checksums=state.cfg.checkpoint.verify)
+    files.check_manifest(path, checksums=state.cfg.checkpoint.verify)
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
     except Exception as e:  # noqa: BLE001 - a corrupt common file must name itself

@@ -30,7 +30,7 @@ def _extra(argv: list[str]) -> list[str]:
 
 def task_for(argv: list[str]):
     def task(cfg: DictConfig) -> int | None:
-        from ftcore.bench_runner import run_bench
+        from ftcore.bench.dispatch import run_bench
 
         if cfg.bench.name == "none":
             raise FtcoreError("no benchmark chosen", field="bench",

@@ -65,7 +65,7 @@ def use_adapter(cfg: DictConfig, *, training: bool) -> DictConfig:
 def _adapter_base(adapter: str) -> tuple[str, str] | None:
     """("hf_path", DIR) or ("init_path", NAME of a bundled base) from the adapter's
     base_model_name_or_path, when that resolves here; None otherwise (a Hub name is not fetched)."""
-    from ftcore.config import assets_dir
+    from ftcore.config.schema import assets_dir
     from ftcore.peft.config import read_adapter_config
 
     base = read_adapter_config(adapter).get("base_model_name_or_path")
@@ -92,7 +92,7 @@ def check_inputs(cfg: DictConfig) -> None:
 def check_paths(cfg: DictConfig) -> None:
     """Every path the config names exists (the data, the model, the tokenizer, the adapter, the
     checkpoint to resume from), named by its field."""
-    from ftcore.config import assets_dir
+    from ftcore.config.schema import assets_dir
     from ftcore.data.sources import resolve
     from ftcore.peft.config import read_adapter_config
 
@@ -158,20 +158,20 @@ def check_base(cfg: DictConfig) -> None:
 def check_target_hardware(cfg: DictConfig) -> None:
     """The hardware check against the target cluster (cluster.compute_capability), for a login
     node without its GPUs: the SLURM dry run. Transformer Engine's own verdict waits for the job."""
-    from ftcore import precision
+    from ftcore.precision import hardware, recipes
 
     c = cfg.cluster
     if c.device != "cuda" or c.compute_capability is None:
-        precision.check_hardware(cfg)  # a CPU cluster runs where it is checked
+        hardware.check_hardware(cfg)  # a CPU cluster runs where it is checked
         return
-    precision.check_config(cfg)
-    name, cc = precision.recipe_name(cfg), float(c.compute_capability)
+    recipes.check_config(cfg)
+    name, cc = recipes.recipe_name(cfg), float(c.compute_capability)
     if name is None:
         if cfg.precision.params_dtype == "bf16" and cc < 8.0:
             raise FtcoreError(f"BF16 needs compute capability >= 8.0; {c.name} has {cc:.1f}",
                               field="precision", fix="use precision=fp32")  # fmt: skip
         return
-    ok, why = precision.supported_on(name, cc)
+    ok, why = hardware.supported_on(name, cc)
     if not ok:
         raise FtcoreError(f"{cfg.precision.name} {why.replace('this GPU', c.name)}", field="precision",
-                          fix=f"use precision={precision.fallback(cc, cfg.precision.name)} on {c.name}")  # fmt: skip
+                          fix=f"use precision={hardware.fallback(cc, cfg.precision.name)} on {c.name}")  # fmt: skip

@@ -2,7 +2,7 @@
 
 Hydra merges the YAML files of `conf/` into these dataclasses, so an unknown key or a wrong type
 fails at compose time with the key's name. `compose()` maps Hydra's errors to FtcoreError (exit 2).
-Semantic checks live in `ftcore.validate`, which runs them in the pinned order.
+Semantic checks live in `ftcore.config.checks`, which runs them in the pinned order.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class RunConfig:
     stop_file: Optional[str] = None  # default <run.dir>/STOP: a launcher asks the ranks to stop
     handle_signals: bool = True  # SIGTERM/SIGUSR1 -> save at the step boundary, exit 3
     # the command line's overrides, recorded by compose(): what the user set explicitly, as opposed
-    # to what a preset (+exp=NAME) set (ftcore/preset_eval.py adapts only the latter)
+    # to what a preset (+exp=NAME) set (ftcore/config/presets.py adapts only the latter)
     overrides: list[str] = field(default_factory=list)
 
 
@@ -177,7 +177,7 @@ class PrecisionConfig:
     params_dtype: str = "fp32"  # fp32 | bf16: compute and parameter dtype of the base
     fp8_recipe: Optional[str] = None  # delayed | tensorwise | blockwise | mxfp8
     fp4_recipe: Optional[str] = None  # nvfp4
-    # e4m3 | hybrid (E5M2 grads); default per recipe (ftcore.precision)
+    # e4m3 | hybrid (E5M2 grads); default per recipe (ftcore.precision.recipes)
     fp8_format: Optional[str] = None
     te_layers: bool = True  # GPU: Transformer Engine layers when installed (FP8/FP4 need them)
     first_last_bf16_layers: int = 0  # keep this many layers at each end in BF16

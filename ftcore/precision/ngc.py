@@ -4,7 +4,7 @@ every precision recipe shipped in conf/precision/.
 An image's TE is fixed when NVIDIA builds it; a recipe newer than that TE exits 2 inside ftcore's
 own container (issue 24: NVFP4 needs TE >= 2.7, the 25.06 image predates it). So the pin is
 checked twice: against this table by a CPU test, and against the TE really installed when the
-image is built (`python -m ftcore.ngc`, the Dockerfile's last step).
+image is built (`python -m ftcore.precision.ngc`, the Dockerfile's last step).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from ftcore.config import conf_dir
+from ftcore.config.schema import conf_dir
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def too_new_for(te_version: str) -> list[str]:
     """The shipped precision options whose recipe needs a newer TE than `te_version`."""
     from packaging.version import Version
 
-    from ftcore.precision import RECIPES
+    from ftcore.precision.recipes import RECIPES
 
     return [
         f"{option} ({recipe}: TE >= {RECIPES[recipe].min_te})"
@@ -93,14 +93,17 @@ def main() -> int:
     """Inside the image being built: the installed TE runs every shipped recipe, or exit 1."""
     version = installed_te()
     if version is None:
-        print("ftcore.ngc: Transformer Engine is not installed in this image", file=sys.stderr)
+        print(
+            "ftcore.precision.ngc: Transformer Engine is not installed in this image",
+            file=sys.stderr,
+        )
         return 1
     missing = too_new_for(version)
     if missing:
-        print(f"ftcore.ngc: Transformer Engine {version} is too old for: {', '.join(missing)}",
+        print(f"ftcore.precision.ngc: Transformer Engine {version} is too old for: {', '.join(missing)}",
               file=sys.stderr)  # fmt: skip
         return 1
-    print(f"ftcore.ngc: Transformer Engine {version} runs every recipe in conf/precision")
+    print(f"ftcore.precision.ngc: Transformer Engine {version} runs every recipe in conf/precision")
     return 0
 
 

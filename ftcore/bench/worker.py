@@ -1,4 +1,4 @@
-"""One benchmark configuration in its own process: `python -m ftcore.bench_worker [overrides]`.
+"""One benchmark configuration in its own process: `python -m ftcore.bench.worker [overrides]`.
 
 ftcore.bench starts this once per configuration (a fresh process, so runs do not disturb each
 other); with `launcher.nproc_per_node > 1` it starts its local workers the way ftcore.train does.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ftcore.bench_turns import Turn
+from ftcore.bench.turns import Turn
 from ftcore.cli import run
 
 SPEC_ENV = "FTCORE_BENCH_SPEC"
@@ -62,7 +62,7 @@ def instrument(state, timers: Timers) -> None:
     from megatron.core.pipeline_parallel import p2p_communication
     from megatron.core.tensor_parallel import mappings
 
-    from ftcore import trainer
+    from ftcore.training import trainer
 
     trainer.run_batches = timers.wrap("fwd_bwd", trainer.run_batches)
     state.loader.next_microbatches = timers.wrap("data", state.loader.next_microbatches)
@@ -98,8 +98,8 @@ def eval_loss(state) -> tuple[float, int]:
     """Per-token validation loss over every validation batch (not only eval.iters of them)."""
     from megatron.core import parallel_state as ps
 
-    from ftcore import trainer
     from ftcore.data.pipeline import build_val_batches
+    from ftcore.training import trainer
 
     cfg = state.cfg
     batches = build_val_batches(cfg, state.tokenizer, ps.get_data_parallel_rank(), state.dp)
@@ -116,7 +116,7 @@ def eval_loss(state) -> tuple[float, int]:
 
 
 def measure(state, spec: dict) -> dict:
-    from ftcore import metrics
+    from ftcore.training import metrics
 
     cfg = state.cfg
     timers = Timers()
@@ -146,7 +146,7 @@ def measure(state, spec: dict) -> dict:
 
 def _steps(state, timers: Timers, warmup: int, measure: int) -> tuple[list[dict], float]:
     """warmup + measure calls of trainer.train_step, each timed and split."""
-    from ftcore import trainer
+    from ftcore.training import trainer
 
     records = []
     t_start = time.perf_counter()
@@ -174,7 +174,7 @@ def _steps(state, timers: Timers, warmup: int, measure: int) -> tuple[list[dict]
 def _epoch(state, timers: Timers) -> tuple[list[dict], float]:
     """One epoch through trainer.fit, as users run it (metrics.jsonl, log lines); the steps'
     times are metrics.jsonl's step_time_s, the split is the epoch's total, put on the last step."""
-    from ftcore import trainer
+    from ftcore.training import trainer
 
     cfg = state.cfg
     steps = math.ceil(state.loader.report["rows"] / cfg.train.global_batch_size)
@@ -212,14 +212,15 @@ def _flops_per_token(cfg) -> float:
 
 
 def task(cfg: DictConfig) -> int | None:
-    from ftcore import trainer, validate
+    from ftcore.config import checks
     from ftcore.runtime import dist
+    from ftcore.training import trainer
 
     spec = json.loads(Path(os.environ[SPEC_ENV]).read_text())
     if not dist.under_launcher() and cfg.launcher.nproc_per_node > 1:
-        validate.validate(cfg, cfg.launcher.nproc_per_node)
+        checks.validate(cfg, cfg.launcher.nproc_per_node)
         return dist.launch_local_workers(
-            "ftcore.bench_worker", sys.argv[1:], cfg.launcher.nproc_per_node
+            "ftcore.bench.worker", sys.argv[1:], cfg.launcher.nproc_per_node
         )
     try:
         state = trainer.setup(cfg)

@@ -16,7 +16,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from ftcore.data.pipeline import MicroBatch, attention_mask_from_segments
 from ftcore.data.transfer import to_device
-from ftcore.models import attention, target_logits
+from ftcore.models import target_logits
+from ftcore.models.local import attention
 from ftcore.models.sharding import unwrap
 from ftcore.runtime import cpu
 

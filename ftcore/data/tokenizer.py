@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ftcore.config import assets_dir
+from ftcore.config.schema import assets_dir
 from ftcore.errors import FtcoreError
 
 

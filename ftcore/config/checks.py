@@ -8,9 +8,9 @@ import copy
 
 from omegaconf import DictConfig
 
+from ftcore.config.ranges import check_ranges
 from ftcore.errors import FtcoreError
 from ftcore.planner.layers import split_layers
-from ftcore.ranges import check_ranges
 
 CHOICES = {
     "parallel.recompute": ("none", "selective", "full"),
@@ -133,8 +133,8 @@ def check_for_launch(cfg: DictConfig, world: int, *, training: bool = True) -> i
     is imported."""
     check_ranges(cfg)
     check_choices(cfg)
-    from ftcore import preflight
-    from ftcore.preset_eval import adapt
+    from ftcore.config import preflight
+    from ftcore.config.presets import adapt
 
     checked = copy.deepcopy(cfg)
     adapt(checked, training=training, say=False)  # the workers adapt their own copy (and log it)
@@ -153,10 +153,10 @@ def with_hf_shapes(cfg: DictConfig) -> DictConfig:
 
 def validate(cfg: DictConfig, launched: int, *, training: bool = True, device=None) -> int:
     """Run every check in the pinned order; returns the data-parallel size. `device`
-    (precision.Device) stands in for this machine's GPU: tests check a target GPU on CPU."""
-    from ftcore import preflight
+    (hardware.Device) stands in for this machine's GPU: tests check a target GPU on CPU."""
+    from ftcore.config import preflight
 
-    check_ranges(cfg)  # every numeric field in its range (ftcore/ranges.py) before any use
+    check_ranges(cfg)  # every numeric field in its range (ftcore/config/ranges.py) before any use
     check_choices(cfg)
     # every path exists, no adapter dropped, no adapters on a random base
     preflight.check_inputs(cfg)
@@ -169,7 +169,9 @@ def check_layout(
     """validate() past the inputs: divisibility, PEFT, hardware, memory fit, world size; returns
     dp. `on_target`: the hardware of cluster.compute_capability, not this machine's (dry run);
     `device`: a simulated machine for the hardware check (see validate)."""
-    from ftcore import planner, precision, preflight
+    from ftcore import planner
+    from ftcore.config import preflight
+    from ftcore.precision import hardware
 
     check_divisibility(cfg)
     from ftcore.peft.config import check_config as check_peft
@@ -178,7 +180,7 @@ def check_layout(
     if training and on_target:
         preflight.check_target_hardware(cfg)
     elif training:
-        precision.check_hardware(cfg, device)
+        hardware.check_hardware(cfg, device)
     world = world_size_of(cfg, launched)
     if training:
         planner.check_fit(cfg, world)
@@ -195,7 +197,7 @@ def problems(cfg: DictConfig, launched: int, *, training: bool = True) -> list[s
     """Everything the SLURM dry run reports, one line each: the inputs (paths, adapter, base
     weights), then the pinned checks against the target cluster's hardware up to the first failure
     (each later check assumes the earlier ones passed). A bad choice stops it at once."""
-    from ftcore import preflight
+    from ftcore.config import preflight
 
     try:
         check_ranges(cfg)

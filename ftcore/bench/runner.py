@@ -1,12 +1,7 @@
-"""Run a benchmark's configurations, each in a fresh process, and append one JSON line per
-configuration to outputs/bench/<name>/bench.jsonl (then ftcore.bench_report writes bench.md/.png).
-
-Two kinds (bench.kind):
-- layouts: every configuration runs bench.warmup_steps + bench.measure_steps training steps
-  (ftcore.bench_worker); the line holds the layout, tokens/s, step time (median, spread), model
-  TFLOP/s/GPU, MFU, peak memory, the time split, and the planner's prediction beside it;
-- cpu_vs_hf: the HF Trainer recipe and each ftcore configuration train one epoch over the same
-  documents (ftcore.bench_vs_hf).
+"""What every benchmark kind shares: the configurations of a benchmark (expand_runs), a fresh
+process per configuration (launch, launch_taking_turns), and one JSON line per configuration
+appended to outputs/bench/<name>/bench.jsonl (Bench.append). The kinds: bench/layouts.py and
+bench/vs_hf.py; bench/dispatch.py picks one, bench/report.py writes bench.md/.png.
 """
 
 from __future__ import annotations
@@ -17,7 +12,6 @@ import logging
 import os
 import platform
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -26,8 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ftcore import bench_turns
-from ftcore.bench_worker import PARTS, median_spread
+from ftcore.bench import turns
 from ftcore.errors import FtcoreError
 
 log = logging.getLogger("ftcore")
@@ -202,50 +195,23 @@ def launch(module: str, overrides: list[str], spec: dict, run_dir: Path, env: di
 
 def launch_taking_turns(jobs: list[tuple], slices: int, timeout_s: float) -> list[tuple]:
     """Each job (module, overrides, spec, run_dir, env) in its own process, all alive at once and
-    computing one at a time (ftcore.bench_turns); [(result JSON or None, error text)] in order."""
+    computing one at a time (ftcore.bench.turns); [(result JSON or None, error text)] in order."""
     prepared = [_prepare(*job) for job in jobs]
     logs = [open(logf, "a") for _, _, logf, _ in prepared]
     try:
         starts = [
-            (lambda cmd=cmd, env=env, f=f: bench_turns.spawn(cmd, env, f, slices))
+            (lambda cmd=cmd, env=env, f=f: turns.spawn(cmd, env, f, slices))
             for (cmd, env, _, _), f in zip(prepared, logs)
         ]
-        codes = bench_turns.take_turns(starts, timeout_s * len(jobs))
+        codes = turns.take_turns(starts, timeout_s * len(jobs))
     finally:
         for f in logs:
             f.close()
     return [_collect(rc, out, logf) for rc, (_, _, logf, out) in zip(codes, prepared)]
 
 
-def predict(overrides: list[str]) -> dict | None:
-    """The planner's prediction for a configuration (its local_cpu calibration on CPU)."""
-    from ftcore import planner
-    from ftcore.config import compose
-
-    try:
-        cfg = compose(overrides)
-        if cfg.model.hf_path:
-            from ftcore.hf.config import merge_hf_config
-
-            cfg = merge_hf_config(cfg)
-        world = cfg.cluster.num_gpus or cfg.launcher.nproc_per_node
-        p = planner.plan(cfg, world)
-    except Exception as e:  # noqa: BLE001 - a prediction that fails leaves the run standing
-        log.warning("bench: no prediction for %s: %s", overrides, e)
-        return None
-    return {
-        "tokens_per_s_per_gpu": p["tokens_per_s_per_gpu"],
-        "step_time_s": p["step_time_s"],
-        "model_tflops_per_gpu": p["model_tflops_per_gpu"],
-        "mfu": p["mfu"],
-        "memory_gib": p["memory_gib"]["total"],
-        "fits": p["fits"],
-        "step_time_parts_s": p["step_time_parts_s"],
-    }
-
-
 def layout_of(overrides: list[str]) -> dict:
-    from ftcore.config import compose
+    from ftcore.config.schema import compose
 
     cfg = compose(overrides)
     p, t = cfg.parallel, cfg.train
@@ -260,48 +226,6 @@ def layout_of(overrides: list[str]) -> dict:
         "precision": cfg.precision.name, "model": cfg.model.name, "cluster": cfg.cluster.name,
         "peak_bf16_tflops": cfg.cluster.peak_tflops.get("bf16"),
     }  # fmt: skip
-
-
-def summarize(result: dict, layout: dict) -> dict:
-    """The measured part of a line: steps after warm-up only."""
-    steps = [s for s in result["steps"] if not s["warmup"]]
-    world = result["world"]
-    times = [s["step_time_s"] for s in steps]
-    med, spread = median_spread(times)
-    total_t = sum(times) or float("nan")
-    tokens = sum(s["tokens"] for s in steps)
-    targets = sum(s["target_tokens"] for s in steps)
-    slot = layout["global_batch_size"] * layout["seq_len"]
-    tps = tokens / total_t
-    tflops = result["flops_per_token"] * tps / world / 1e12
-    split = {}
-    for part in PARTS:
-        per_rank = [statistics.fmean(p[part] for p, s in zip(rank, result["steps"]) if not s["warmup"])
-                    for rank in result["parts_by_rank"]] if steps else [0.0]  # fmt: skip
-        split[part] = statistics.fmean(per_rank)
-    split["other"] = max(0.0, (total_t / max(len(steps), 1)) - sum(split.values()))
-    peak = layout.get("peak_bf16_tflops")
-    measured = [i for i, s in enumerate(result["steps"]) if not s["warmup"]]
-    cpu_rows = [r for r in result.get("cpu_by_rank", []) if r and None not in r]
-    cpu = [max(r[i] for r in cpu_rows) for i in measured] if cpu_rows else []
-    return {
-        "cpu_step_s": statistics.median(cpu) if cpu else None,
-        "steps_measured": len(steps),
-        "step_time_s": med,
-        "step_time_spread": spread,
-        "step_time_min_s": min(times) if times else None,
-        "step_time_max_s": max(times) if times else None,
-        "tokens_per_s": tps,
-        "tokens_per_s_per_gpu": tps / world,
-        "target_tokens_per_s": targets / total_t,
-        "slot_tokens_per_s_per_gpu": slot / med / world,
-        "model_tflops_per_gpu": tflops,
-        "mfu": tflops / peak if peak else None,
-        "peak_mem_gib": result["peak_mem_gib"],
-        "time_split_s": split,
-        "losses": [s["loss"] for s in result["steps"]],
-        "threads": result.get("threads"),
-    }
 
 
 class Bench:
@@ -336,57 +260,3 @@ class Bench:
         status = line.get("status")
         log.info("bench %s: %s %s", self.bench.name, line.get("label"),
                  status if status != "ok" else f"{line.get('tokens_per_s', 0):.0f} tokens/s")  # fmt: skip
-
-
-def run_layouts(b: Bench) -> None:
-    from ftcore.planner import host
-
-    warm, meas = int(b.bench.warmup_steps), int(b.bench.measure_steps)
-    for run in expand_runs(b.bench):
-        ov = b.overrides(run) + [f"train.max_steps={warm + meas}"]
-        rdir = b.runs_dir / run.label
-        ov.append(f"run.dir={rdir}")
-        line = {"label": run.label, "overrides": run.overrides, "env": run.env}
-        try:
-            layout = layout_of(ov)
-        except FtcoreError as e:
-            b.append({**line, "status": "failed", "error": str(e)})
-            continue
-        host.probe.cache_clear()  # a VM's speed drifts by 20-40% over minutes: rates of now
-        predicted = predict(ov)  # (measured again where the cluster asks: cluster.host_probe)
-        rates = host.probe() if host.probe.cache_info().currsize else None
-        load0 = load_avg()
-        log.info("bench %s: running %s", b.bench.name, run.label)
-        result, err = launch("ftcore.bench_worker", ov, {"warmup": warm, "measure": meas},
-                             rdir, run.env, b.timeout_s)  # fmt: skip
-        line.update(layout=layout, predicted=predicted, load_avg=[load0, load_avg()])
-        if rates:
-            line["host_probe"] = rates
-        if result is None:
-            b.append({**line, "status": "failed", "error": err})
-            continue
-        m = summarize(result, layout)
-        if predicted:
-            m["measured_over_predicted"] = predicted["step_time_s"] / m["step_time_s"]
-            if m["cpu_step_s"]:
-                m["measured_over_predicted_cpu"] = predicted["step_time_s"] / m["cpu_step_s"]
-        b.append({**line, "status": "ok", **m})
-
-
-def run_bench(cfg: DictConfig, extra: list[str], command: str) -> Path:
-    """Run every configuration of cfg.bench; returns the output directory."""
-    from ftcore import bench_report
-    from ftcore.bench_vs_hf import run_cpu_vs_hf
-
-    kinds = {"layouts": run_layouts, "cpu_vs_hf": run_cpu_vs_hf}
-    if cfg.bench.kind not in kinds:
-        raise FtcoreError(f"unknown kind {cfg.bench.kind!r}", field="bench.kind",
-                          fix="layouts or cpu_vs_hf")  # fmt: skip
-    expand_runs(cfg.bench)  # exit 2 on a malformed list before anything starts
-    b = Bench(cfg, extra, command)
-    log.info(
-        "bench %s: %s -> %s (load average %s)", cfg.bench.name, cfg.bench.kind, b.out, load_avg()
-    )
-    kinds[cfg.bench.kind](b)
-    bench_report.write(b.out)
-    return b.out

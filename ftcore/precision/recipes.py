@@ -1,5 +1,5 @@
 """Precision recipes: the `precision` config -> megatron TransformerConfig fields, Transformer Engine
-(TE) recipes, the hardware check, the layer spec and the autocast contexts.
+(TE) recipes, the layer spec and the autocast contexts (the hardware check: precision/hardware.py).
 
 FP8/FP4 GEMMs run only through TE on a CUDA GPU. megatron-core's TransformerBlock enters the TE
 autocast itself, per layer (so `first_last_bf16_layers` can leave the outer layers in BF16); ftcore
@@ -108,9 +108,6 @@ def fp8_format(cfg: DictConfig) -> Optional[str]:
     return cfg.precision.get("fp8_format") or RECIPES[name].fmt
 
 
-# ---------------------------------------------------------------- config -> TransformerConfig
-
-
 def transformer_config_kwargs(cfg: DictConfig) -> dict[str, Any]:
     """The precision fields of megatron's TransformerConfig for this config."""
     p = cfg.precision
@@ -186,10 +183,7 @@ def te_recipe(cfg: DictConfig):
     return getattr(te_recipes, cls_name)(**kw)
 
 
-# ---------------------------------------------------------------- checks
-
-
-def _require(ok: bool, message: str, field: str, fix: Optional[str] = None) -> None:
+def require(ok: bool, message: str, field: str, fix: Optional[str] = None) -> None:
     if not ok:
         raise FtcoreError(message, field=field, fix=fix)
 
@@ -197,32 +191,32 @@ def _require(ok: bool, message: str, field: str, fix: Optional[str] = None) -> N
 def check_config(cfg: DictConfig) -> None:
     """Device-independent rules of the precision section (also run by check_hardware)."""
     p = cfg.precision
-    _require(p.params_dtype in DTYPES, f"{p.params_dtype!r} is not one of fp32, bf16",
+    require(p.params_dtype in DTYPES, f"{p.params_dtype!r} is not one of fp32, bf16",
              "precision.params_dtype")  # fmt: skip
-    _require(not (p.fp8_recipe and p.fp4_recipe), "set fp8_recipe or fp4_recipe, not both", "precision",
+    require(not (p.fp8_recipe and p.fp4_recipe), "set fp8_recipe or fp4_recipe, not both", "precision",
              "pick one option: precision=fp8_cs, precision=nvfp4, ...")  # fmt: skip
     fp8_names = [k for k, v in RECIPES.items() if v.kind == "fp8"]
-    _require(p.fp8_recipe in (None, *fp8_names), f"{p.fp8_recipe!r} is not one of {', '.join(fp8_names)}",
+    require(p.fp8_recipe in (None, *fp8_names), f"{p.fp8_recipe!r} is not one of {', '.join(fp8_names)}",
              "precision.fp8_recipe")  # fmt: skip
-    _require(p.fp4_recipe in (None, "nvfp4"), f"{p.fp4_recipe!r} is not nvfp4",
+    require(p.fp4_recipe in (None, "nvfp4"), f"{p.fp4_recipe!r} is not nvfp4",
              "precision.fp4_recipe")  # fmt: skip
-    _require(p.get("fp8_format") in (None, *FP8_FORMATS), f"{p.get('fp8_format')!r} is not one of e4m3, hybrid",
+    require(p.get("fp8_format") in (None, *FP8_FORMATS), f"{p.get('fp8_format')!r} is not one of e4m3, hybrid",
              "precision.fp8_format")  # fmt: skip
-    _require(p.fp8_amax_compute_algo in AMAX_ALGOS, f"{p.fp8_amax_compute_algo!r} is not one of max, most_recent",
+    require(p.fp8_amax_compute_algo in AMAX_ALGOS, f"{p.fp8_amax_compute_algo!r} is not one of max, most_recent",
              "precision.fp8_amax_compute_algo")  # fmt: skip
     name = recipe_name(cfg)
     if name is None:
         for key in ("fp8_param_gather", "fp8_attention"):
-            _require(not p[key], f"{p.name} has no FP8/FP4 GEMMs", f"precision.{key}",
+            require(not p[key], f"{p.name} has no FP8/FP4 GEMMs", f"precision.{key}",
                      f"set precision.{key}=false or pick an FP8/FP4 precision")  # fmt: skip
-        _require(not p.first_last_bf16_layers, f"{p.name} has no FP8/FP4 layers to keep in BF16",
+        require(not p.first_last_bf16_layers, f"{p.name} has no FP8/FP4 layers to keep in BF16",
                  "precision.first_last_bf16_layers", "set it to 0")  # fmt: skip
         return
-    _require(p.te_layers, f"{p.name} runs through Transformer Engine layers", "precision.te_layers",
+    require(p.te_layers, f"{p.name} runs through Transformer Engine layers", "precision.te_layers",
              "set precision.te_layers=true, or use precision=bf16")  # fmt: skip
-    _require(p.params_dtype == "bf16", f"{p.name} keeps its high-precision weights in BF16",
+    require(p.params_dtype == "bf16", f"{p.name} keeps its high-precision weights in BF16",
              "precision.params_dtype", "set precision.params_dtype=bf16")  # fmt: skip
-    _require(not p.fp8_attention or name in ("delayed", "tensorwise"),
+    require(not p.fp8_attention or name in ("delayed", "tensorwise"),
              f"FP8 attention is supported with delayed or tensorwise scaling, not {name}",
              "precision.fp8_attention", "set precision.fp8_attention=false or use precision=fp8_cs")  # fmt: skip
     _check_first_last(cfg, name)
@@ -232,15 +226,15 @@ def check_config(cfg: DictConfig) -> None:
 def _check_first_last(cfg: DictConfig, name: str) -> None:
     n, layers, pp = cfg.precision.first_last_bf16_layers, cfg.model.num_layers, cfg.parallel.pp
     field = "precision.first_last_bf16_layers"
-    _require(n >= 0, f"must be >= 0, got {n}", field)
+    require(n >= 0, f"must be >= 0, got {n}", field)
     if n == 0:
         return
-    _require(name != "delayed",
+    require(name != "delayed",
              "delayed scaling shares one amax history across the model and cannot leave layers in BF16",
              field, "set it to 0, or use precision=fp8_cs (current scaling)")  # fmt: skip
-    _require(2 * n < layers, f"{n} BF16 layers at each end leave none of {layers} in {name}", field,
+    require(2 * n < layers, f"{n} BF16 layers at each end leave none of {layers} in {name}", field,
              "use a smaller number, or precision=bf16")  # fmt: skip
-    _require(n <= layers // pp, f"{n} is more than the {layers // pp} layers of one pipeline stage", field,
+    require(n <= layers // pp, f"{n} is more than the {layers // pp} layers of one pipeline stage", field,
              f"use at most {layers // pp}")  # fmt: skip
 
 
@@ -255,11 +249,11 @@ def _check_alignment(cfg: DictConfig, name: str) -> None:
         "heads x kv_channels (per TP rank)": (m.num_attention_heads * kv) // par.tp,
     }
     for what, size in feats.items():
-        _require(size % feat_align == 0, f"{what}={size} is not a multiple of {feat_align}, which {name} "
+        require(size % feat_align == 0, f"{what}={size} is not a multiple of {feat_align}, which {name} "
                  "GEMMs need", "precision", "use precision=bf16 for this model shape")  # fmt: skip
     split = par.cp * (par.tp if par.sp else 1)  # the sequence is cut this many ways per rank
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len // split
-    _require(tokens % tok_align == 0,
+    require(tokens % tok_align == 0,
              f"a micro-batch holds {tokens} tokens per rank, not a multiple of {tok_align} as {name} needs",
              "data.seq_len", f"make micro_batch_size*seq_len a multiple of {tok_align * split}")  # fmt: skip
 
@@ -267,109 +261,6 @@ def _check_alignment(cfg: DictConfig, name: str) -> None:
 def runs_on_cuda(cfg: DictConfig) -> bool:
     """The same rule as the runtime's: CUDA when a GPU is visible and cluster.device is not cpu."""
     return torch.cuda.is_available() and cfg.cluster.device != "cpu"
-
-
-def supported_on(name: str, cc: float, cuda: Optional[float] = None) -> tuple[bool, str]:
-    """Whether recipe `name` runs on compute capability `cc` (and CUDA toolkit `cuda`); why not."""
-    info = RECIPES[name]
-    if cc < info.min_cc or (info.max_cc is not None and cc >= info.max_cc):
-        return False, f"needs {info.hardware}; this GPU has compute capability {cc:.1f}"
-    if info.min_cuda is not None and cuda is not None and cuda < info.min_cuda:
-        return False, f"needs {info.hardware}; torch was built with CUDA {cuda}"
-    return True, ""
-
-
-def cluster_supports(cfg: DictConfig) -> tuple[bool, str]:
-    """Whether the target cluster (cluster.device, cluster.compute_capability) runs this precision:
-    the planner's view, which needs no GPU here."""
-    name = recipe_name(cfg)
-    if name is None:
-        return True, ""
-    cc = cfg.cluster.compute_capability
-    if cfg.cluster.device == "cpu" or cc is None:
-        return False, f"{cfg.precision.name} needs a GPU of {RECIPES[name].hardware}"
-    return supported_on(name, cc)
-
-
-def fallback(cc: Optional[float], exclude: str, cuda: Optional[float] = None) -> str:
-    """The precision option that would run instead: the first FP8 one the device runs, else BF16."""
-    if cc is None:
-        return "bf16 or fp32"
-    for option, name in FALLBACKS:
-        if option == exclude:
-            continue
-        if name is None:
-            return option if cc >= 8.0 else "fp32"
-        if supported_on(name, cc, cuda)[0]:
-            return option
-    return "bf16"
-
-
-@dataclass(frozen=True)
-class Device:
-    """What the hardware check knows of the machine a run starts on. `this_device()` probes it;
-    tests build one for a target GPU (`simulated_device`) to run the very same check on CPU."""
-
-    cuda: bool  # a CUDA device is visible
-    cc: Optional[float] = None  # compute capability
-    cuda_version: Optional[float] = None  # the CUDA toolkit torch was built with
-    te_version: Optional[str] = None  # installed Transformer Engine, None when absent
-    ask_te: bool = True  # also ask TE itself (is_fp8_available, ...): only a real TE can answer
-
-
-def this_device() -> Device:
-    cuda = torch.cuda.is_available()
-    return Device(cuda, _capability() if cuda else None, _cuda_version(), te_version())
-
-
-def simulated_device(cfg: DictConfig, te: Optional[str], cuda_version: Optional[float]) -> Device:
-    """The target GPU of `cfg.cluster` (its compute capability) with the given TE and CUDA
-    versions, for tests on CPU. TE's own run-time probe is skipped: it needs the real device."""
-    cc = cfg.cluster.compute_capability
-    return Device(
-        cfg.cluster.device == "cuda" and cc is not None, cc, cuda_version, te, ask_te=False
-    )
-
-
-def check_hardware(cfg: DictConfig, device: Optional[Device] = None) -> None:
-    """Refuse a precision this machine (or the given `device`) cannot run, naming what it needs
-    and what would run instead."""
-    check_config(cfg)
-    dev = device or this_device()
-    p, name = cfg.precision, recipe_name(cfg)
-    if name is not None and cfg.peft.name == "qlora":
-        raise FtcoreError(f"QLoRA keeps the frozen base in NF4 (bitsandbytes), so its GEMMs cannot also be "
-                          f"{RECIPES[name].kind.upper()}", field="precision",
-                          fix=f"use peft=lora with precision={p.name}, or peft=qlora with precision=bf16")  # fmt: skip
-    on_cuda = dev.cuda and cfg.cluster.device != "cpu"
-    if on_cuda and cfg.gpu.require_te and cfg.peft.name != "qlora" and p.te_layers:
-        _require(dev.te_version is not None, "gpu.require_te=true (ftcore's container sets it) but "
-                 "Transformer Engine is not installed or cannot load here", "gpu.require_te",
-                 "repair the image's transformer-engine, or set gpu.require_te=false to run "
-                 "megatron's local layers")  # fmt: skip
-    if name is None:
-        if on_cuda and p.params_dtype == "bf16":
-            _require(dev.cc >= 8.0, f"BF16 needs compute capability >= 8.0; this GPU has "
-                     f"{dev.cc:.1f}", "precision", "use precision=fp32")  # fmt: skip
-        return
-    info = RECIPES[name]
-    if not on_cuda:
-        where = "no CUDA device is visible" if not dev.cuda else "cluster.device=cpu runs it on CPU"
-        raise FtcoreError(f"{p.name} runs its GEMMs in {info.kind.upper()} (Transformer Engine {info.te_class}) "
-                          f"and needs a CUDA GPU of {info.hardware}, but {where}", field="precision",
-                          fix=f"on CPU use precision=bf16 or precision=fp32 (ftcore.plan still plans {p.name} jobs)")  # fmt: skip
-    cc, cuda = dev.cc, dev.cuda_version
-    instead = f"use precision={fallback(cc, p.name, cuda)} on this GPU"
-    ok, why = supported_on(name, cc, cuda)
-    _require(ok, f"{p.name} {why}", "precision", instead)
-    version = dev.te_version
-    _require(version is not None, f"{p.name} needs Transformer Engine, which is not installed", "precision",
-             "pip install 'ftcore[gpu]' (or use the NGC PyTorch image), or precision=bf16")  # fmt: skip
-    _require(not _older(version, info.min_te), f"{p.name} ({info.te_class}) needs Transformer Engine >= "
-             f"{info.min_te}; {version} is installed", "precision", f"upgrade transformer-engine, or {instead}")  # fmt: skip
-    if dev.ask_te:
-        ok, why = te_supports(name)
-        _require(ok, f"{p.name}: Transformer Engine says {why}", "precision", instead)
 
 
 def check_merge(cfg: DictConfig) -> None:
@@ -391,29 +282,8 @@ def check_merge(cfg: DictConfig) -> None:
     )
 
 
-# ---------------------------------------------------------------- TE and the device
-
-
-def _capability() -> float:
-    major, minor = torch.cuda.get_device_capability()
-    return major + minor / 10
-
-
-def _cuda_version() -> Optional[float]:
-    try:
-        return float(torch.version.cuda) if torch.version.cuda else None
-    except ValueError:
-        return None
-
-
-def _older(version: str, minimum: str) -> bool:
-    from packaging.version import Version
-
-    return Version(version) < Version(minimum)
-
-
 @functools.lru_cache(maxsize=1)
-def _te():
+def te_module():
     """transformer_engine.pytorch, or None: never imported without CUDA (it fails there)."""
     if not torch.cuda.is_available():
         return None
@@ -426,34 +296,11 @@ def _te():
 
 def te_version() -> Optional[str]:
     """The installed Transformer Engine version, or None when it cannot be used here."""
-    if _te() is None:
+    if te_module() is None:
         return None
     import transformer_engine
 
     return str(getattr(transformer_engine, "__version__", "0"))
-
-
-def te_supports(name: str) -> tuple[bool, str]:
-    """TE's own verdict on this device (it also knows cuBLAS and CUDA versions)."""
-    te = _te()
-    probe = {
-        "delayed": "is_fp8_available",
-        "tensorwise": "is_fp8_available",
-        "blockwise": "is_fp8_block_scaling_available",
-        "mxfp8": "is_mxfp8_available",
-        "nvfp4": "is_nvfp4_available",
-    }[name]
-    fn = getattr(te, probe, None)
-    if fn is not None:
-        ok, why = fn(return_reason=True)
-        return bool(ok), why
-    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager  # TE < 2.9
-
-    fn = getattr(FP8GlobalStateManager, probe, None)
-    if fn is None:
-        return False, f"this version has no {RECIPES[name].te_class}"
-    ok, why = fn()
-    return bool(ok), why
 
 
 def use_te(cfg: DictConfig) -> bool:
@@ -461,7 +308,7 @@ def use_te(cfg: DictConfig) -> bool:
     keeps megatron's local layers, whose plain weights bitsandbytes quantises to NF4."""
     if not runs_on_cuda(cfg) or cfg.peft.name == "qlora" or not cfg.precision.te_layers:
         return False
-    return _te() is not None
+    return te_module() is not None
 
 
 def layer_spec(cfg: DictConfig):
@@ -483,7 +330,7 @@ def _autocast(te, enabled: bool, recipe=None, group=None):
 def adapter_autocast_off():
     """Run the enclosed (LoRA adapter) GEMMs in BF16 even inside an FP8/FP4 autocast; no-op
     without TE. Adapters are small, so their FP8 speed-up is nil and their updates need BF16."""
-    te = _te()
+    te = te_module()
     if te is None:
         yield
         return
@@ -493,7 +340,7 @@ def adapter_autocast_off():
 
 def high_precision(x: torch.Tensor) -> torch.Tensor:
     """A plain tensor for adapter GEMMs: dequantise TE's FP8/FP4 tensors, pass others through."""
-    if _te() is None:
+    if te_module() is None:
         return x
     from transformer_engine.pytorch.tensor import QuantizedTensor
 
@@ -504,7 +351,7 @@ def high_precision(x: torch.Tensor) -> torch.Tensor:
 def autocast(cfg: DictConfig):
     """The config's FP8/FP4 autocast for TE modules used outside megatron's TransformerBlock (which
     enters its own per layer); a no-op for fp32/bf16 or without TE."""
-    te = _te()
+    te = te_module()
     if te is None or not is_quantized(cfg):
         yield
         return
