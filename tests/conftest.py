@@ -46,7 +46,7 @@ def no_leaked_launcher_env():
 
 @pytest.fixture(scope="session")
 def pool1():
-    from tests.dist.pool import Pool
+    from tests.support.pool import Pool
 
     pool = Pool(1)
     yield pool
@@ -55,7 +55,7 @@ def pool1():
 
 @pytest.fixture(scope="session")
 def pool2():
-    from tests.dist.pool import Pool
+    from tests.support.pool import Pool
 
     pool = Pool(2)
     yield pool
@@ -64,7 +64,7 @@ def pool2():
 
 @pytest.fixture(scope="session")
 def pool4():
-    from tests.dist.pool import Pool
+    from tests.support.pool import Pool
 
     pool = Pool(4)
     yield pool

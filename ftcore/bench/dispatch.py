@@ -1,4 +1,5 @@
-"""Which benchmark kind runs: the dispatcher imports each kind, no kind imports it."""
+"""`python -m ftcore.bench +bench=NAME [overrides]`: which benchmark kind runs. The dispatcher
+imports each kind (layouts.py, vs_hf.py); no kind imports it."""
 
 from __future__ import annotations
 
@@ -30,3 +31,29 @@ def run_bench(cfg: DictConfig, extra: list[str], command: str) -> Path:
     kinds[cfg.bench.kind](b)
     report.write(b.out)
     return b.out
+
+
+def normalise(argv: list[str]) -> list[str]:
+    """`+bench=NAME` selects the group option (config.yaml already has a `bench` default)."""
+    return [
+        ("bench=" + a.split("=", 1)[1]) if a.startswith(("+bench=", "++bench=")) else a
+        for a in argv
+    ]
+
+
+def _extra(argv: list[str]) -> list[str]:
+    """The overrides meant for every configuration: all but the benchmark's own."""
+    return [a for a in argv if not a.lstrip("+").startswith(("bench=", "bench.")) and a != "--cfg"]
+
+
+def task_for(argv: list[str]):
+    def task(cfg: DictConfig) -> int | None:
+        if cfg.bench.name == "none":
+            raise FtcoreError("no benchmark chosen", field="bench",
+                              fix="python -m ftcore.bench +bench=NAME (conf/bench/NAME.yaml)")  # fmt: skip
+        command = "python -m ftcore.bench " + " ".join(argv)
+        out = run_bench(cfg, _extra(argv), command)
+        print(f"{out / 'bench.md'}\n{(out / 'bench.md').read_text()}")
+        return None
+
+    return task

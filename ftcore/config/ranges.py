@@ -4,7 +4,7 @@ A zero or negative size, a NaN learning rate or a fraction above 1 would otherwi
 planner or megatron and end in a traceback (exit 1). `check_ranges` turns each into one
 FtcoreError (exit 2) naming the field and its range. Where 0 means something it stays allowed
 (`checkpoint.interval=0` off, `checkpoint.keep=0` keep all, `eval.interval=0` off).
-tests/unit/test_ranges.py checks that every int/float field of the schema has an entry here, so a
+tests/unit/config/test_ranges.py checks that every int/float field of the schema has an entry here, so a
 new field cannot be forgotten.
 """
 

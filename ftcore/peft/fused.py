@@ -6,7 +6,7 @@ base's and the adapter's input gradients meet: a dozen autograd nodes and as man
 per linear, which on a CPU with a tiny model cost as much as the GEMMs. Here the forward adds each
 B product into its slice of the base output in place (addmm into a strided view), and the backward
 adds the adapter's input gradient into the base's (addmm again). Same products, summed in another
-order, so results agree to rounding (tests/unit/test_lora_fused.py).
+order, so results agree to rounding (tests/unit/peft/test_fused.py).
 
 Slices that are one contiguous run of the fused output (gate/up, a row-parallel output) take one
 addmm each. linear_qkv interleaves q, k and v per query group, so there the slices' B matrices are

@@ -1,5 +1,5 @@
 """Every run tests/gpu makes, as data: the GPU tests run them, and a CPU test
-(tests/unit/test_gpu_targets.py) checks each passes ftcore's validation on its target GPU, so a test
+(tests/unit/precision/test_hardware.py) checks each passes ftcore's validation on its target GPU, so a test
 that validation would refuse on CUDA (packing with micro-batch 4 did) cannot come back.
 
 Importable without CUDA, Transformer Engine or megatron-core."""

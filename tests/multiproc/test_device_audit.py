@@ -1,0 +1,112 @@
+"""Collectives get tensors on the device their GPU-path backend serves (issue 24, finding 1).
+
+On the GPU the default group is NCCL, which rejects host tensors; on the CPU everything is gloo,
+so these runs go through ftcore.runtime.device_audit, which tags each tensor with the device the
+GPU path would give it and fails any collective that would hand NCCL a host tensor. The runs:
+a TP=2/PP=2 LoRA job with SP (setup's parameter count, train steps, 2-token generation across 4
+ranks, the adapter gather, the HF export's weight gathers); a DP=2 job with the distributed optimizer stopped by a stop
+file (the stop check, the loss/token sums, the checkpoint save)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+LORA = ["peft=lora", "peft.r=4", "peft.lora_alpha=8", "sched.warmup_steps=0"]
+
+
+def audit_catches_host_tensors() -> dict:
+    """The audit itself: which tensors it lets through to an all-reduce on the default group."""
+    import torch.distributed as dist
+
+    from ftcore.runtime import device_audit
+    from ftcore.runtime.dist import comm_device
+
+    def passes(make) -> bool:
+        try:
+            dist.all_reduce(make())
+            return True
+        except device_audit.HostTensorInCollective:
+            return False
+
+    with device_audit.shadow_devices():
+        gloo = dist.new_group([0, 1], backend="gloo")
+        on_gpu = torch.ones(3, device=torch.cuda.current_device())
+        out = {
+            "no device": passes(lambda: torch.tensor([1.0, 2.0])),
+            "cpu()": passes(lambda: on_gpu.cpu()),
+            "host op": passes(lambda: torch.zeros(2) + 1),
+            "from_list": passes(lambda: torch.tensor([1.0]).view(1, 1)[0]),
+            "cuda str": passes(lambda: torch.zeros(2, device="cuda")),
+            "current_device": passes(lambda: on_gpu),
+            "x.device": passes(lambda: torch.zeros(2, device=on_gpu.device)),
+            "cuda()": passes(lambda: torch.zeros(2).cuda()),
+            "to cuda": passes(lambda: torch.zeros(2).to("cuda:0", torch.float64)),
+            "mixed op": passes(lambda: on_gpu * torch.tensor(2.0)),
+            "comm_device": passes(lambda: torch.zeros(2, device=comm_device())),
+        }
+        host = torch.zeros(2)
+        dist.all_reduce(host, group=gloo)  # gloo groups take host tensors on the GPU too
+        on_gpu.cuda().add_(1)  # .cuda() of a CUDA tensor is the tensor itself
+        out["host stays host after cuda()"] = not device_audit.is_host(host.cuda()) and (
+            device_audit.is_host(host)
+        )
+    out["restored"] = not device_audit.active() and torch.cuda.current_device() == torch.device(
+        "cpu"
+    )
+    return out
+
+
+@pytest.mark.dist
+def test_audit_tells_host_from_gpu_tensors(pool2):
+    for res in pool2.run(audit_catches_host_tensors):
+        host = {"no device", "cpu()", "host op", "from_list"}
+        assert {k for k, ok in res.items() if not ok} == host, res
+
+
+def lora_tp2_pp2(run_dir: str, audit: bool) -> list:
+    import contextlib
+
+    from ftcore.hf.export import write_hf_model
+    from ftcore.inference.generation import generate_ids
+    from ftcore.peft.export import gather_full
+    from ftcore.runtime import device_audit
+    from ftcore.training import trainer
+    from tests.support.layouts import build
+
+    with device_audit.shadow_devices() if audit else contextlib.nullcontext():
+        state = build(LORA + ["parallel.tp=2", "parallel.pp=2", "parallel.sp=true"], run_dir)
+        losses = [trainer.train_step(state)["loss"] for _ in range(2)]
+        answers = generate_ids(state, [[1, 2, 3], [4, 5]], max_new_tokens=2)
+        full = gather_full(state.model, everywhere=True)
+        if audit:
+            write_hf_model(state)
+    return [losses, answers, sorted(full)]
+
+
+@pytest.mark.dist
+def test_tp2_pp2_lora_collectives_get_gpu_tensors(pool4, tmp_path):
+    res = pool4.run(lora_tp2_pp2, str(tmp_path / "audit"), audit=True)
+    assert all(r == res[0] for r in res[1:]), res  # every rank reports the same answers
+    losses, answers, names = res[0]
+    assert all(torch.isfinite(torch.tensor(losses))) and len(answers[0]) == 2 and names
+    # the audit changes no number: the same run without it gives bitwise the same results
+    assert pool4.run(lora_tp2_pp2, str(tmp_path / "plain"), audit=False)[0] == res[0]
+
+
+def dp2_stop_audited(run_dir: str) -> dict:
+    from ftcore.runtime import device_audit
+    from tests.multiproc.test_signals import fit_until_stop
+
+    with device_audit.shadow_devices():
+        return fit_until_stop(
+            ["train.max_steps=3", "checkpoint.keep=0", "parallel.distributed_optimizer=true"],
+            run_dir,
+        )
+
+
+@pytest.mark.dist
+def test_dp2_distributed_optimizer_stop_file_collectives_get_gpu_tensors(pool2, tmp_path):
+    (tmp_path / "STOP").write_text("")
+    res = pool2.run(dp2_stop_audited, str(tmp_path))
+    assert [r["stopped"][0] for r in res] == [1, 1] and "stop file" in res[0]["stopped"][1], res

@@ -1,0 +1,74 @@
+"""`make gpu-check` on a machine without CUDA: exit 2 with one line, before any install step, and
+nothing written (no report, no work folder, no venv)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA path")
+def test_gpu_check_refuses_without_cuda(tmp_path):
+    # a copy of the repository, so "nothing written" is checked on a tree nobody else writes to
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".venv", ".git", "outputs", ".whl",
+                                                              "build", "__pycache__", "*.egg-info"))  # fmt: skip
+    (repo / ".whl").mkdir()  # a wheel folder: nothing may be installed from it
+    before = sorted(p.relative_to(repo) for p in repo.rglob("*"))
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed")
+    cmd = [make, "-s", "gpu-check", f"GPU_PY={sys.executable}"]
+    r = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr  # (make's own status for a failed recipe is 2 as well)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("gpu-check:")]
+    assert len(lines) == 1 and "no CUDA device" in lines[0], r.stderr
+    assert "Installing" not in r.stdout + r.stderr and "pip" not in r.stdout
+    after = sorted(p.relative_to(repo) for p in repo.rglob("*") if "__pycache__" not in p.parts)
+    assert after == [p for p in before if "__pycache__" not in p.parts]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA path")
+def test_gpu_check_script_exit_code_is_2():
+    r = subprocess.run([sys.executable, str(ROOT / "tools/gpu_check.py")], capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("gpu-check: no CUDA device")
+
+
+def test_gpu_wheels_keeps_only_what_the_bare_image_lacks():
+    """The wheel list is ftcore's closure minus torch/transformers/peft's, markers evaluated for
+    the target Python (a dependency for old Pythons only is not followed)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_wheels", ROOT / "tools" / "gpu_wheels.py")
+    gw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gw)
+
+    def item(name, *requires):
+        return {"metadata": {"name": name, "version": "1", "requires_dist": list(requires)}}
+
+    items = {i["metadata"]["name"]: i for i in [
+        item("torch", "numpy", "typing-extensions"), item("transformers", "numpy", "pyyaml"),
+        item("peft", "torch", "transformers"), item("numpy"), item("pyyaml"),
+        item("typing-extensions"), item("antlr4-python3-runtime"),
+        item("megatron-core", "torch>=2.6", "numpy", "packaging"), item("packaging"),
+        item("hydra-core", "omegaconf", "importlib-resources; python_version < '3.9'"),
+        item("omegaconf", "antlr4-python3-runtime==4.9.*", "pyyaml"), item("importlib-resources"),
+    ]}  # fmt: skip
+    bare = gw.closure(gw.BARE, items, "3.12")
+    wanted = gw.closure(["megatron-core", "hydra-core"], items, "3.12") - bare
+    assert wanted == {
+        "megatron-core",
+        "packaging",
+        "hydra-core",
+        "omegaconf",
+        "antlr4-python3-runtime",
+    }
