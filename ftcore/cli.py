@@ -1,7 +1,8 @@
 """The one wrapper every entry point uses: compose the config, run, map errors to exit statuses.
 
 `python -m ftcore.X [overrides]` -> `main(task, argv)`:
-- `--cfg job` prints the composed config and exits; `-h/--help` prints usage;
+- `--cfg job` prints the composed config and exits; `-h/--help` prints usage; `--verbose` lets the
+  libraries' own warnings through (quiet by default: see `quiet_libraries`);
 - FtcoreError -> one line on stderr, exit 2 (no traceback);
 - StopRequested -> exit 3 (checkpoint saved, requeue me);
 - anything else -> traceback, exit 1 (a crash, not requeued).
@@ -13,6 +14,7 @@ import logging
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 
 from omegaconf import DictConfig
@@ -20,6 +22,7 @@ from omegaconf import DictConfig
 from ftcore.errors import EXIT_OK, EXIT_REQUEUE, EXIT_USER_ERROR, FtcoreError, StopRequested
 
 log = logging.getLogger("ftcore")
+VERBOSE_ENV = "FTCORE_VERBOSE"  # set by --verbose; local workers inherit it
 
 
 def setup_logging() -> None:
@@ -33,20 +36,35 @@ def setup_logging() -> None:
     )
     for noisy in ("megatron", "torch.distributed", "datasets", "transformers", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_libraries(os.environ.get(VERBOSE_ENV) == "1")
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """Warnings about the libraries, not the user's run, stay out of the way unless --verbose:
+    megatron-core's UserWarnings at import (no Apex or TE on CPU, its own deprecated defaults) and
+    bitsandbytes' CPU-kernel message, which appears on runs that never quantise anything."""
+    if verbose:
+        return
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 USAGE = """usage: python -m ftcore.{name} [+exp=NAME] [key=value ...] [--cfg job]
 
 Overrides use Hydra syntax: `parallel.tp=2`, `model=llama3_8b`, `+exp=tiny_lora`.
 `--cfg job` prints the composed config and exits; `--info [all|config|defaults|defaults-tree|
-plugins|searchpath]` prints Hydra's information. See README.md for every section."""
+plugins|searchpath]` prints Hydra's information; `--verbose` shows the libraries' own warnings.
+See README.md for every section."""
 
 
 def main(name: str, task: Callable[[DictConfig], int | None], argv: list[str] | None = None) -> int:
-    """Run `task(cfg)` with the exit-status contract of DESIGN.md; returns the exit status."""
+    """Run `task(cfg)` with the exit-status contract (docs/design.md); returns the exit status."""
     from ftcore.config.schema import HYDRA_INFO, compose, to_yaml
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--verbose" in argv:
+        argv.remove("--verbose")
+        os.environ[VERBOSE_ENV] = "1"
     setup_logging()
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE.format(name=name))

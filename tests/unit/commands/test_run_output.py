@@ -40,6 +40,8 @@ def test_train_prints_run_dir_and_a_summary_whose_generate_command_works(trained
     assert f"checkpoints: {run / 'checkpoints'}" in text
     assert f"adapter (PEFT): {run / 'hf_adapter'}" in text
     assert proc.stdout == ""
+    # quiet by default: megatron's import-time UserWarnings (no Apex/TE on CPU) stay out
+    assert "UserWarning" not in proc.stderr and "Apex is not installed" not in proc.stderr
     # the printed command, as a user pastes it (with a prompt of their own), generates
     cmd = next(ln for ln in err if "generate with:" in ln).split("generate with: ", 1)[1]
     argv = shlex.split(cmd.replace("...", "2 + 3 ="))
@@ -52,9 +54,11 @@ def test_train_prints_run_dir_and_a_summary_whose_generate_command_works(trained
 def test_eval_and_generate_do_not_scatter_run_dirs(tmp_path):
     ev = cli("eval", "+exp=tiny_lora", "data.seq_len=64", "eval.accuracy=false", cwd=tmp_path)
     assert ev.returncode == 0, ev.stderr[-3000:]
+    assert "UserWarning" not in ev.stderr
     gen = cli("generate", "+exp=tiny_lora", "generate.prompt=\"2 + 3 =\"", "generate.max_new_tokens=2",
-              cwd=tmp_path)  # fmt: skip
+              "--verbose", cwd=tmp_path)  # fmt: skip
     assert gen.returncode == 0, gen.stderr[-3000:]
+    assert "UserWarning" in gen.stderr  # --verbose lets the libraries' warnings through
     exp_dir = tmp_path / "outputs" / "tiny_lora"
     assert sorted(p.name for p in exp_dir.iterdir()) == ["eval"]  # nothing among training runs
     (run,) = (exp_dir / "eval").iterdir()
