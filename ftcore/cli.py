@@ -43,7 +43,7 @@ plugins|searchpath]` prints Hydra's information. See README.md for every section
 
 
 def main(name: str, task: Callable[[DictConfig], int | None], argv: list[str] | None = None) -> int:
-    """Run `task(cfg)` with the exit-status contract of DESIGN.md; returns the exit status."""
+    """Run `task(cfg)` with the exit-status contract of docs/design.md; returns the exit status."""
     from ftcore.config.schema import HYDRA_INFO, compose, to_yaml
 
     argv = list(sys.argv[1:] if argv is None else argv)
