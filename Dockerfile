@@ -4,7 +4,7 @@
 # The base must hold a Transformer Engine that runs every recipe of conf/precision/ (NVFP4 needs
 # TE >= 2.7; 25.06 shipped an older one). 25.11 ships TE 2.9, CUDA 13.0, torch 2.10, Python 3.12:
 # NGC PyTorch release notes, docs.nvidia.com/deeplearning/frameworks/pytorch-release-notes/rel-25-11.html
-# (Megatron-Bridge's CI image moved to 25.11 too). Pin and TE are checked by tests/unit/test_container.py
+# (Megatron-Bridge's CI image moved to 25.11 too). Pin and TE are checked by tests/unit/precision/test_ngc.py
 # against ftcore/precision/ngc.py's table, and by `python -m ftcore.precision.ngc` below against the TE really installed.
 # Another base: add its row to ftcore/precision/ngc.py, then `docker build --build-arg BASE_IMAGE=...`.
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3

@@ -54,7 +54,7 @@ USAGE = """usage: python -m ftcore.{name} [+exp=NAME] [key=value ...] [--cfg job
 Overrides use Hydra syntax: `parallel.tp=2`, `model=llama3_8b`, `+exp=tiny_lora`.
 `--cfg job` prints the composed config and exits; `--info [all|config|defaults|defaults-tree|
 plugins|searchpath]` prints Hydra's information; `--verbose` shows the libraries' own warnings.
-See README.md for every section."""
+docs/design.md describes every section."""
 
 
 def main(name: str, task: Callable[[DictConfig], int | None], argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""One error type for everything the user can fix, and the exit statuses of DESIGN.md."""
+"""One error type for everything the user can fix, and the exit statuses of docs/design.md."""
 
 EXIT_OK = 0
 EXIT_USER_ERROR = 2  # FtcoreError: config, data, paths, hardware, predicted OOM

@@ -9,7 +9,7 @@ A checkpoint is one megatron `dist_checkpointing` state dict:
 - common (rank 0 writes it): scheduler, progress (step, consumed samples, skipped bad steps), the
   layout, the config, the wandb run id, the data position of every DP rank and the RNG states of
   every rank (gathered, so every rank holds the same lists).
-RNG states only make sense on the same layout; the data position is global (DESIGN.md), so it
+RNG states only make sense on the same layout; the data position is global (docs/checkpoints.md), so it
 carries over to any DP size when all DP ranks agree on it.
 """
 

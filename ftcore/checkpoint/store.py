@@ -1,12 +1,12 @@
 """Checkpoints with megatron-core dist_checkpointing, published atomically; resume from `latest`.
 
-Layout (DESIGN.md): `<run.dir>/checkpoints/step_<N>/` is complete or absent; `checkpoints/latest`
+Layout (docs/checkpoints.md): `<run.dir>/checkpoints/step_<N>/` is complete or absent; `checkpoints/latest`
 holds `step_<N>` and is replaced atomically. A save writes `.tmp_step_<N>/`, verifies it (every
 tensor whole, every file there), writes `manifest.json` (sizes + CRC32), renames it to `step_<N>`,
 then replaces `latest`, then drops checkpoints beyond `checkpoint.keep`. A crash at any moment
 leaves the previous `latest`. On GPU the tensor files are written in the background
 (`checkpoint.async_save`) and the publish runs when every rank's writes are done; on CPU the
-save is synchronous (megatron's async writer hangs there, see shared/notes/megatron_on_cpu.md).
+save is synchronous (megatron's async writer hangs there, see docs/cpu_runtime.md).
 What the checkpoint holds and how a run is restored: ftcore/checkpoint/resume.py.
 """
 

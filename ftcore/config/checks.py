@@ -1,4 +1,4 @@
-"""Config checks in the pinned order of DESIGN.md: schema (Hydra, at compose time), divisibility,
+"""Config checks in the pinned order of docs/design.md: schema (Hydra, at compose time), divisibility,
 hardware, memory fit, world size. All run before any model is built; each failure is one
 FtcoreError naming the field and the fix."""
 
@@ -26,7 +26,7 @@ CHOICES = {
 
 
 def world_size_of(cfg: DictConfig, launched: int) -> int:
-    """world = cluster.num_gpus when set, else the processes actually launched (DESIGN.md)."""
+    """world = cluster.num_gpus when set, else the processes actually launched (docs/design.md)."""
     return cfg.cluster.num_gpus if cfg.cluster.num_gpus is not None else launched
 
 

@@ -1,4 +1,4 @@
-"""The config schema (one dataclass per section of DESIGN.md) and how a run's config is composed.
+"""The config schema (one dataclass per section of docs/design.md) and how a run's config is composed.
 
 Hydra merges the YAML files of `conf/` into these dataclasses, so an unknown key or a wrong type
 fails at compose time with the key's name. `compose()` maps Hydra's errors to FtcoreError (exit 2).

@@ -59,7 +59,7 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        calculate_per_token_loss=True,  # loss = sum over target tokens / their number (DESIGN.md)
+        calculate_per_token_loss=True,  # loss = sum over target tokens / their number (docs/parallelism.md)
         # the device audit builds as on a GPU, so that megatron's weights are born on "the GPU"
         use_cpu_initialization=on_cpu and not device_audit.active(),
         # megatron's init runs (it marks the TP attributes of each weight) but draws nothing:

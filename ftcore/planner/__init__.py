@@ -1,6 +1,6 @@
 """The planner: memory per pipeline stage, throughput, and whether a job fits, from its config.
 
-`plan(cfg, world)` returns the JSON of DESIGN.md (`python -m ftcore.plan`); `check_fit(cfg, world)`
+`plan(cfg, world)` returns the JSON of docs/design.md (`python -m ftcore.plan`); `check_fit(cfg, world)`
 is validate()'s memory-fit step (ftcore.train refuses a job predicted not to fit).
 """
 
@@ -93,7 +93,7 @@ def gpus_needed(cfg: DictConfig) -> int | None:
 
 
 def plan(cfg: DictConfig, world_size: int | None = None) -> dict:
-    """The plan of DESIGN.md: memory per stage (worst stage on top), fit, GPUs needed, speed."""
+    """The plan of docs/design.md: memory per stage (worst stage on top), fit, GPUs needed, speed."""
     cfg = view(cfg)
     world = world_of(cfg, world_size)
     stages = all_stages(cfg, world)

@@ -9,7 +9,7 @@ Two implementations are modelled, because they save different tensors:
   LayerNorm-Linear (input, rstd, normed output), fused SwiGLU (its input); FP8 linears keep their
   inputs quantized (1 byte).
 The `local` numbers are checked against tensors counted with saved_tensors_hooks in
-tests/dist/test_planner_bytes*.py; the `te` ones follow the same accounting for TE's modules.
+tests/multiproc/test_planner_bytes*.py; the `te` ones follow the same accounting for TE's modules.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """FLOPs: the model FLOPs that MFU is quoted in, and the work one GPU executes per micro-batch.
 
-Model FLOPs per token follow the published convention (shared/anchors/published_throughput.csv):
+Model FLOPs per token follow the published convention (tests/data/published_throughput.csv):
 N' = parameters without the input embedding (the LM head counts);
 - full training: 6N' + the causal attention term 6 * seq_len * (heads * head_dim) per layer
   (forward QK^T and AV over seq_len/2 keys on average, backward twice that);

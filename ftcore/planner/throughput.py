@@ -9,7 +9,7 @@ and a step is (micro-batches + (pp - 1) / vp) of the slowest rank's micro-batch 
 interleaved pipeline bubble), plus the exposed pipeline sends, the data-parallel gradient
 reduce-scatter / parameter all-gather, the optimizer's pass over its shard, and a fixed overhead.
 The constants are per GPU type; the fractions below are the same for every GPU. Calibrated once
-against shared/anchors/published_throughput.csv (tests/unit/planner/test_throughput.py). A CPU
+against tests/data/published_throughput.csv (tests/unit/planner/test_throughput.py). A CPU
 cluster with host_probe measures its peak and bandwidth on the host instead (host.py); MFU stays
 against the configured peak.
 """

@@ -3,7 +3,7 @@
 broadcasts over one process skipped, the output layer's gradient layout, fused AdamW, foreach
 gradient norm and clipping).
 
-megatron-core assumes CUDA in two ways (see shared/notes/megatron_on_cpu.md):
+megatron-core assumes CUDA in two ways (see docs/cpu_runtime.md):
 1. calls into `torch.cuda` (current_device, RNG state, streams, synchronize): `activate()` replaces
    them with CPU equivalents once per process; this costs nothing per step.
 2. literal `device="cuda"` arguments, `.cuda()` and `Tensor.type() == "torch.cuda.FloatTensor"`

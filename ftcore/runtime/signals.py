@@ -2,7 +2,7 @@
 
 Handlers only set a flag; the ranks agree at each step boundary through one all-reduce, so every
 rank saves the same step and exits 3 together. torchrun kills workers 30 s after forwarding a signal,
-too short for a big checkpoint, so SLURM scripts use the stop file (see shared/notes/local_slurm.md).
+too short for a big checkpoint, so SLURM scripts use the stop file (see docs/slurm.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""metrics.jsonl (DESIGN.md contract), a progress bar or plain lines, and optional wandb. Rank 0 only."""
+"""metrics.jsonl (contract in docs/design.md), a progress bar or plain lines, and optional wandb. Rank 0 only."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ class MetricsWriter:
 
 class StepTimer:
     """step_time_s = wall time from the end of the previous step to the end of this one, minus the
-    time spent in eval and checkpoint saves (DESIGN.md)."""
+    time spent in eval and checkpoint saves (docs/design.md)."""
 
     def __init__(self):
         self.last = time.perf_counter()

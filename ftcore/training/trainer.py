@@ -1,4 +1,4 @@
-"""setup() builds a run in the one fixed order of DESIGN.md; fit() is the training loop."""
+"""setup() builds a run in the one fixed order of docs/design.md; fit() is the training loop."""
 
 from __future__ import annotations
 
