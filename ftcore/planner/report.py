@@ -8,7 +8,7 @@ TERMS = ("weights", "grads", "optimizer", "activations", "reserve", "load_peak",
 def table(p: dict, ranked: list[dict] | None = None) -> str:
     lay = p["layout"]
     lines = [
-        f"plan: {p['model']} {p['peft']} {p['precision']} on {p['num_gpus']} x {p['cluster']} "
+        f"plan: {p['model']} {'full' if p['peft'] == 'none' else p['peft']} {p['precision']} on {p['num_gpus']} x {p['cluster']} "
         f"({p['gpu_mem_gib']:.1f} GiB each)",
         "layout: " + " ".join(f"{k}={v}" for k, v in lay.items()),
         "",
@@ -56,14 +56,17 @@ def table(p: dict, ranked: list[dict] | None = None) -> str:
                 f"{e['planned_params']:,d} planned; {where}{' ...' if len(off) > 3 else ''}"
             )
     if ranked is not None:
-        lines += ["", "layouts that fit, fastest first:"]
-        lines.append("    tp  pp  vp  cp  dp mbs recompute    GiB  tokens/s/GPU   MFU")
+        lines += ["", "distinct layouts that fit, fastest first, each with the overrides that select it "
+                  "(variants: settings of the same tp/pp/cp within 2% of its speed, shown once):"]  # fmt: skip
+        lines.append("    tp  pp  vp  cp  dp  sp mbs recompute    GiB  tokens/s/GPU   MFU variants")
         for r in ranked:
             lines.append(
-                f"  {r['tp']:>4}{r['pp']:>4}{r['vp']:>4}{r['cp']:>4}{r['dp']:>4}{r['micro_batch_size']:>4} "
+                f"  {r['tp']:>4}{r['pp']:>4}{r['vp']:>4}{r['cp']:>4}{r['dp']:>4}"
+                f"{'yes' if r['sp'] else 'no':>4}{r['micro_batch_size']:>4} "
                 f"{r['recompute']:<10}{r['memory_gib']:>6.1f}{r['tokens_per_s_per_gpu']:>14.0f}"
-                f"{100 * r['mfu']:>6.1f}"
+                f"{100 * r['mfu']:>6.1f}{r['variants']:>9}"
             )
+            lines.append(f"      {r['overrides']}")
         if not ranked:
             lines.append("  (none)")
     return "\n".join(lines)

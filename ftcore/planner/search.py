@@ -81,8 +81,22 @@ def fits(cfg: DictConfig, world: int) -> tuple[bool, float]:
     return worst.total <= cfg.cluster.gpu_mem_gib * GiB, worst.total / GiB
 
 
+def overrides(row: dict) -> str:
+    """The command-line overrides that select this layout (dp follows from the world size)."""
+    return (
+        f"parallel.tp={row['tp']} parallel.pp={row['pp']} parallel.vp={row['vp']} "
+        f"parallel.cp={row['cp']} parallel.sp={str(row['sp']).lower()} "
+        f"parallel.recompute={row['recompute']} train.micro_batch_size={row['micro_batch_size']}"
+    )
+
+
+NEAR = 0.02  # layouts this close in predicted speed, with the same tp/pp/cp, are one row
+
+
 def search(cfg: DictConfig, world: int, top: int = 10) -> list[dict]:
-    """Layouts that fit on `world` GPUs, fastest first."""
+    """Distinct layouts that fit on `world` GPUs, fastest first. A layout within 2% of the speed
+    of a faster one with the same tp, pp and cp (another vp, micro batch or recompute setting) is
+    not a new choice: it is counted in that row's `variants` instead of filling the list."""
     cfg = view(cfg)
     rows = []
     for lay in layouts(cfg, world):
@@ -95,13 +109,23 @@ def search(cfg: DictConfig, world: int, top: int = 10) -> list[dict]:
             dict(
                 lay,
                 dp=world // (lay["tp"] * lay["pp"] * lay["cp"]),
+                sp=bool(c.parallel.sp),
                 memory_gib=total,
                 tokens_per_s_per_gpu=speed["tokens_per_s_per_gpu"],
                 mfu=speed["mfu"],
             )
         )
     rows.sort(key=lambda r: -r["tokens_per_s_per_gpu"])
-    return rows[:top]
+    kept: list[dict] = []
+    for r in rows:
+        same = ("tp", "pp", "cp")
+        twin = next((k for k in kept if all(k[f] == r[f] for f in same)
+                     and r["tokens_per_s_per_gpu"] >= (1 - NEAR) * k["tokens_per_s_per_gpu"]), None)  # fmt: skip
+        if twin is not None:
+            twin["variants"] += 1
+        else:
+            kept.append(dict(r, variants=1, overrides=overrides(r)))
+    return kept[:top]
 
 
 def smallest_fit(cfg: DictConfig, max_gpus: int = 4096) -> int | None:

@@ -153,6 +153,30 @@ def test_search_ranks_only_layouts_that_fit():
     assert speeds == sorted(speeds, reverse=True)
 
 
+def test_search_rows_are_distinct_and_their_overrides_select_them():
+    """Issue 31: no two rows are the same tp/pp/cp within 2% of each other's speed; each row's
+    overrides, pasted after the exp, give a plan with that row's memory and speed; the table has
+    an sp column and calls full fine-tuning "full"."""
+    from ftcore.planner.report import table
+
+    exp = ["+exp=70b_full"]
+    cfg = compose(exp)
+    ranked = search(cfg, 8, top=10)
+    assert len(ranked) >= 3
+    for i, a in enumerate(ranked):
+        for b in ranked[i + 1 :]:
+            same = all(a[k] == b[k] for k in ("tp", "pp", "cp"))
+            assert not (same and b["tokens_per_s_per_gpu"] >= 0.98 * a["tokens_per_s_per_gpu"])
+    assert sum(r["variants"] for r in ranked) > len(ranked)  # something was collapsed
+    for r in ranked[:3]:
+        p = planner.plan(compose([*exp, *r["overrides"].split()]), 8)
+        assert p["memory_gib"]["total"] == pytest.approx(r["memory_gib"], rel=1e-9)
+        assert p["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s_per_gpu"], rel=1e-9)
+    text = table(planner.plan(cfg, 8), ranked)
+    assert text.startswith("plan: llama3_70b full ")
+    assert " sp " in text and ranked[0]["overrides"] in text
+
+
 def test_lora_plan_agrees_with_the_peft_module():
     from ftcore.peft.lora import plan_targets
 
