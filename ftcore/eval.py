@@ -16,7 +16,6 @@ import math
 import os
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 
 from ftcore.cli import run
@@ -27,29 +26,19 @@ log = logging.getLogger("ftcore")
 
 def evaluate(cfg: DictConfig, state=None) -> dict:
     """Every rank: the loss over data.path (or the validation data) with this run's model."""
-    from megatron.core import parallel_state as ps
-
-    from ftcore.data.pipeline import build_val_batches
-    from ftcore.training import trainer
+    from ftcore.training import evaluation, trainer  # lazy: torch stays out of the config errors
 
     state = state or trainer.setup(cfg, data=False, kind="eval")
-    batches = build_val_batches(state.cfg, state.tokenizer, ps.get_data_parallel_rank(), state.dp,
-                                path=state.cfg.data.path or None)  # fmt: skip
+    batches = evaluation.held_out_batches(state, path=state.cfg.data.path or None)
     if not batches:
         raise FtcoreError(
             "no evaluation data", field="data.path", fix="point data.path at a JSONL file"
         )
-    for chunk in state.model:
-        chunk.eval()
-    total, tokens = 0.0, 0.0
-    with torch.no_grad():
-        for microbatches in batches:
-            s, n = trainer.run_batches(state, microbatches, forward_only=True)
-            total, tokens = total + s, tokens + n
-    if tokens == 0:
+    res = evaluation.evaluate(state, batches)
+    if res.tokens == 0:
         raise FtcoreError("the evaluation data has no target tokens", field="data.path")
-    loss = total / tokens
-    result = {"loss": loss, "tokens": int(tokens), "ppl": math.exp(min(loss, 700.0))}
+    loss = res.loss
+    result = {"loss": loss, "tokens": res.tokens, "ppl": math.exp(min(loss, 700.0))}
     if state.cfg.eval.accuracy:  # greedy exact match on the same (instruction/chat) data
         from ftcore.inference.exact_match import exact_match
 

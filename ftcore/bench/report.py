@@ -8,7 +8,7 @@ import math
 import statistics
 from pathlib import Path
 
-SPLIT = ("data", "fwd_bwd", "tp_comm", "grad_sync", "pp_p2p", "optimizer", "other")
+SPLIT = ("data", "fwd_bwd", "grad_sync", "pp_p2p", "optimizer", "other")
 
 
 def read_lines(path: Path) -> list[dict]:
@@ -118,8 +118,9 @@ def layouts_md(lines: list[dict]) -> list[str]:
         "Spread = (max − min) / median over the measured steps. CPU s/step: CPU seconds of the busiest "
         "worker process (median step), the basis local_cpu was calibrated on. On CPU, GiB is the peak resident memory "
         "of a worker and TFLOP/s/MFU are against conf/cluster's nominal peak. Split: mean seconds per "
-        "step, averaged over ranks (tp_comm: megatron's TP mappings; grad_sync: finalize_model_grads; "
-        "pp_p2p: pipeline sends/receives including waits; other: the rest of the step).",
+        "step, averaged over ranks (fwd_bwd: the forward-backward schedule, TP collectives included; "
+        "grad_sync: finalize_model_grads; pp_p2p: pipeline sends/receives including waits; other: "
+        "the rest of the step).",
     ]
     return out
 
@@ -207,7 +208,7 @@ def _epoch_split(ln: dict) -> str:
     sp = ln.get("time_split_s")
     if not sp:
         return ""
-    comm = sum(sp.get(k, 0.0) for k in ("tp_comm", "grad_sync", "pp_p2p"))
+    comm = sum(sp.get(k, 0.0) for k in ("tp_comm", "grad_sync", "pp_p2p"))  # tp_comm: older lines
     return " / ".join(
         _f(x, ".1f") for x in (sp["data"], sp["fwd_bwd"] + comm, sp["optimizer"], sp["other"])
     )

@@ -2,9 +2,11 @@
 
 ftcore.bench starts this once per configuration (a fresh process, so runs do not disturb each
 other); with `launcher.nproc_per_node > 1` it starts its local workers the way ftcore.train does.
-The steps are the trainer's own (`trainer.setup`, `trainer.train_step`); timers wrapped around the
-loader, the pipeline schedule, the grad sync, TP collectives, pipeline sends and the optimizer
-split each step's wall time. What to run comes from the JSON file named by FTCORE_BENCH_SPEC:
+The steps are the trainer's own (`trainer.setup`, `trainer.train_step`), timed through the
+training state's hook (`state.timers`, ftcore.training.timing): the loader, the forward-backward
+schedule, the grad sync, the pipeline sends/receives (megatron's own timers) and the optimizer
+split each step's wall time. Tensor-parallel collectives have no timing hook in megatron: their
+time is part of fwd_bwd. What to run comes from the JSON file named by FTCORE_BENCH_SPEC:
   {"out": result file, "warmup": N, "measure": N}             fixed number of steps, or
   {"out": ..., "epoch": true, "eval": true}                   one epoch, then the validation loss.
 Rank 0 writes the result JSON; nothing is checkpointed or exported.
@@ -25,63 +27,50 @@ from omegaconf import DictConfig
 
 from ftcore.bench.turns import Turn
 from ftcore.cli import run
+from ftcore.training import timing
 
 SPEC_ENV = "FTCORE_BENCH_SPEC"
-PARTS = ("data", "fwd_bwd", "tp_comm", "grad_sync", "pp_p2p", "optimizer")
+PARTS = ("data", "fwd_bwd", "grad_sync", "pp_p2p", "optimizer")
 
 
 class Timers:
-    """Seconds per named part of the current step; nested parts are subtracted from fwd_bwd later."""
+    """Seconds per timer name over the current step, with megatron's Timers interface
+    (`timers(name, log_level=None).start()/.stop()`): it goes in `state.timers`, and the trainer
+    hands it to megatron's schedule. Host time, no device sync (the step's own syncs bound it)."""
 
     def __init__(self):
         self.t = defaultdict(float)
+        self._running: dict[str, float] = {}
 
-    def wrap(self, name: str, fn):
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.t[name] += time.perf_counter() - t0
-
-        timed.__wrapped__ = fn
-        return timed
+    def __call__(self, name: str, log_level: int | None = None):
+        return _Timer(self, name)
 
     def take(self) -> dict:
-        out = {k: self.t.get(k, 0.0) for k in PARTS}
-        # grad sync, TP collectives and pipeline sends run inside the schedule: fwd_bwd is the rest
-        out["fwd_bwd"] = max(
-            0.0, out["fwd_bwd"] - out["tp_comm"] - out["grad_sync"] - out["pp_p2p"]
-        )
-        self.t.clear()
+        """The step's split into PARTS, and a fresh start. Grad sync and pipeline sends run
+        inside the schedule: fwd_bwd is the rest of it."""
+        t = self.t
+        p2p = sum(v for k, v in t.items() if timing.is_p2p(k))
+        out = {
+            "data": t[timing.DATA],
+            "fwd_bwd": max(0.0, t[timing.FWD_BWD] - t[timing.GRAD_SYNC] - p2p),
+            "grad_sync": t[timing.GRAD_SYNC],
+            "pp_p2p": p2p,
+            "optimizer": t[timing.OPTIMIZER],
+        }
+        t.clear()
         return out
 
 
-def instrument(state, timers: Timers) -> None:
-    """Wrap the pieces of trainer.train_step (this process only: it exists to be measured)."""
-    from megatron.core.pipeline_parallel import p2p_communication
-    from megatron.core.tensor_parallel import mappings
+class _Timer:
+    def __init__(self, timers: Timers, name: str):
+        self.timers, self.name = timers, name
 
-    from ftcore.training import trainer
+    def start(self, barrier: bool = False) -> None:
+        self.timers._running[self.name] = time.perf_counter()
 
-    trainer.run_batches = timers.wrap("fwd_bwd", trainer.run_batches)
-    state.loader.next_microbatches = timers.wrap("data", state.loader.next_microbatches)
-    state.optimizer.prepare_grads = timers.wrap("optimizer", state.optimizer.prepare_grads)
-    trainer.optim.grad_norm = timers.wrap("optimizer", trainer.optim.grad_norm)
-    trainer.optim.step_with_norm = timers.wrap("optimizer", trainer.optim.step_with_norm)
-    config = state.model[0].config
-    config.finalize_model_grads_func = timers.wrap("grad_sync", config.finalize_model_grads_func)
-    comm = p2p_communication.P2PCommunicator
-    comm._communicate = timers.wrap("pp_p2p", comm._communicate)
-    for name in (
-        "_reduce",
-        "_gather_along_last_dim",
-        "_gather_along_first_dim",
-        "_reduce_scatter_along_first_dim",
-        "_reduce_scatter_along_last_dim",
-    ):
-        if hasattr(mappings, name):
-            setattr(mappings, name, timers.wrap("tp_comm", getattr(mappings, name)))
+    def stop(self, barrier: bool = False) -> None:
+        t0 = self.timers._running.pop(self.name)
+        self.timers.t[self.name] += time.perf_counter() - t0
 
 
 def _gather(obj):
@@ -94,33 +83,11 @@ def _gather(obj):
     return out
 
 
-def eval_loss(state) -> tuple[float, int]:
-    """Per-token validation loss over every validation batch (not only eval.iters of them)."""
-    from megatron.core import parallel_state as ps
-
-    from ftcore.data.pipeline import build_val_batches
-    from ftcore.training import trainer
-
-    cfg = state.cfg
-    batches = build_val_batches(cfg, state.tokenizer, ps.get_data_parallel_rank(), state.dp)
-    import torch
-
-    for chunk in state.model:
-        chunk.eval()
-    total, n = 0.0, 0.0
-    with torch.no_grad():
-        for mbs in batches:
-            s, c = trainer.run_batches(state, mbs, forward_only=True)
-            total, n = total + s, n + c
-    return total / max(n, 1.0), int(n)
-
-
 def measure(state, spec: dict) -> dict:
-    from ftcore.training import metrics
+    from ftcore.training import evaluation, metrics
 
     cfg = state.cfg
-    timers = Timers()
-    instrument(state, timers)
+    state.timers = timers = Timers()
     loader = state.loader
     if spec.get("epoch"):
         records, wall = _epoch(state, timers)
@@ -135,7 +102,9 @@ def measure(state, spec: dict) -> dict:
     result["waited_s"] = state.extra.get("bench_waited_s")  # outside the steps' times already
     result["peak_mem_gib"] = max(_gather(metrics.peak_mem_gib()))
     if spec.get("eval"):
-        result["eval_loss"], result["eval_tokens"] = eval_loss(state)
+        # every validation batch, not only eval.iters of them
+        res = evaluation.evaluate(state, evaluation.held_out_batches(state))
+        result["eval_loss"], result["eval_tokens"] = res.loss, res.tokens
     result["data_report"] = loader.report
     result["world"] = state.info.world
     result["dp"] = state.dp

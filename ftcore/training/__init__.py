@@ -1,3 +1,4 @@
 """The training loop's parts: trainer.py (setup in one fixed order, fit), step.py (the forward
-step and the per-token loss), optim.py (optimizer and LR schedule), evaluation.py (the one
-evaluation loop), metrics.py (metrics.jsonl, progress, wandb)."""
+step, the per-token loss, one global batch through megatron's schedule), optim.py (optimizer and
+LR schedule), evaluation.py (the one evaluation loop), timing.py (the timer hook on a step),
+metrics.py (metrics.jsonl, progress, wandb)."""

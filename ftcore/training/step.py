@@ -1,4 +1,5 @@
-"""The forward step megatron's forward_backward_func calls, and the per-token loss.
+"""The forward step megatron's forward_backward_func calls, the per-token loss, and one global
+batch through the schedule (`run_batches`: training steps and the evaluation loop both use it).
 
 Loss = sum of next-token cross entropy over the target tokens / their number, with the count
 all-reduced by megatron (`calculate_per_token_loss`), so microbatching, DP and packing leave it
@@ -10,9 +11,11 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ftcore.data.pipeline import MicroBatch, attention_mask_from_segments
 from ftcore.data.transfer import to_device
@@ -20,6 +23,7 @@ from ftcore.models import target_logits
 from ftcore.models.local import attention
 from ftcore.models.sharding import unwrap
 from ftcore.runtime import cpu
+from ftcore.runtime import dist as rdist
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -111,3 +115,50 @@ def microbatch_iterators(microbatches: list[MicroBatch], num_chunks: int):
     """megatron wants one iterator per virtual stage, each over the same micro-batches."""
     its = [iter(microbatches) for _ in range(num_chunks)]
     return its if num_chunks > 1 else its[0]
+
+
+def reduce_sums(values: list[float], contribute: bool) -> list[float]:
+    """Sum over the whole world of the values of the ranks that contribute (others add zeros)."""
+    t = torch.tensor(
+        values if contribute else [0.0] * len(values),
+        dtype=torch.float64,
+        device=rdist.comm_device(),
+    )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def is_loss_rank() -> bool:
+    return (
+        ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+    )
+
+
+def is_data_rank() -> bool:
+    return ps.get_pipeline_model_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+
+
+def run_batches(
+    state, microbatches: list, *, forward_only: bool, timers=None
+) -> tuple[float, float]:
+    """forward(+backward) of one global batch; returns (loss sum, target tokens) over the world.
+    `timers` (training/timing.py) goes to megatron's schedule for this call only."""
+    cfg = state.cfg
+    config = state.model[0].config
+    config.timers = timers
+    try:
+        with cpu.device_mode():
+            out = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=microbatch_iterators(microbatches, len(state.model)),
+                model=state.model if len(state.model) > 1 else state.model[0],
+                num_microbatches=len(microbatches),
+                seq_length=microbatches[0].tokens.shape[1],  # seq_len, or less when trimmed
+                micro_batch_size=cfg.train.micro_batch_size,
+                forward_only=forward_only,
+            )
+    finally:
+        config.timers = None
+    loss_sum, n = reduce_sums(loss_sums(out), is_loss_rank())
+    return loss_sum, n

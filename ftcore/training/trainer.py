@@ -10,10 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from omegaconf import DictConfig, OmegaConf
 
@@ -22,7 +20,9 @@ from ftcore.runtime import cpu, signals
 from ftcore.runtime import dist as rdist
 from ftcore.training import metrics as metrics_mod
 from ftcore.training import optim
-from ftcore.training.step import forward_step, loss_sums, microbatch_iterators
+from ftcore.training.evaluation import evaluate
+from ftcore.training.step import is_data_rank, reduce_sums, run_batches
+from ftcore.training.timing import DATA, FWD_BWD, GRAD_SYNC, OPTIMIZER, timed
 
 log = logging.getLogger("ftcore")
 
@@ -44,6 +44,7 @@ class TrainState:
     bad_steps: int = 0
     extra: dict = field(default_factory=dict)  # things later stages attach (e.g. wandb id)
     after_step: list = field(default_factory=list)  # fn(state) after each step, outside its time
+    timers: object = None  # megatron-style Timers the steps' phases are timed into (timing.py)
 
 
 def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainState:
@@ -135,60 +136,31 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
 def _wire_model_config(state: TrainState) -> None:
     """The hooks megatron's schedule calls: grad finalisation (DP/SP/embedding reductions) etc."""
     config = state.model[0].config
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = _finalize_grads
     config.grad_scale_func = state.optimizer.scale_loss
     no_sync = [m.no_sync for m in state.model]
     config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
 
 
-def _reduce_sums(values: list[float], contribute: bool) -> list[float]:
-    """Sum over the whole world of the values of the ranks that contribute (others add zeros)."""
-    t = torch.tensor(
-        values if contribute else [0.0] * len(values),
-        dtype=torch.float64,
-        device=rdist.comm_device(),
-    )
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-def _is_loss_rank() -> bool:
-    return (
-        ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
-    )
-
-
-def _is_data_rank() -> bool:
-    return ps.get_pipeline_model_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
-
-
-def run_batches(
-    state: TrainState, microbatches: list, *, forward_only: bool
-) -> tuple[float, float]:
-    """forward(+backward) of one global batch; returns (loss sum, target tokens) over the world."""
-    cfg = state.cfg
-    with cpu.device_mode():
-        out = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=microbatch_iterators(microbatches, len(state.model)),
-            model=state.model if len(state.model) > 1 else state.model[0],
-            num_microbatches=len(microbatches),
-            seq_length=microbatches[0].tokens.shape[1],  # seq_len, or less when trimmed
-            micro_batch_size=cfg.train.micro_batch_size,
-            forward_only=forward_only,
-        )
-    loss_sum, n = _reduce_sums(loss_sums(out), _is_loss_rank())
-    return loss_sum, n
+def _finalize_grads(model: list, *args, **kwargs) -> None:
+    """megatron's finalize_model_grads, timed as GRAD_SYNC when the step is timed (the schedule
+    calls it with the model config's timers set: step.run_batches)."""
+    with timed(model[0].config.timers, GRAD_SYNC):
+        finalize_model_grads(model, *args, **kwargs)
 
 
 def train_step(state: TrainState) -> dict:
-    cfg = state.cfg
-    microbatches = state.loader.next_microbatches()
+    """One optimizer step; its phases are timed into state.timers when set (timing.py)."""
+    cfg, timers = state.cfg, state.timers
+    with timed(timers, DATA):
+        microbatches = state.loader.next_microbatches()
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
-    loss_sum, target_tokens = run_batches(state, microbatches, forward_only=False)
+    with timed(timers, FWD_BWD):
+        loss_sum, target_tokens = run_batches(
+            state, microbatches, forward_only=False, timers=timers
+        )
     loss = loss_sum / max(target_tokens, 1.0)
     if not math.isfinite(loss):
         return {
@@ -197,7 +169,7 @@ def train_step(state: TrainState) -> dict:
             "skipped": True,
             "target_tokens": target_tokens,
         }
-    with cpu.device_mode():
+    with cpu.device_mode(), timed(timers, OPTIMIZER):
         # Non-finite grads must be caught before the update: without loss scaling megatron's step
         # applies them (clipping skips a NaN norm), poisoning the weights a skip should protect.
         found_inf = state.optimizer.prepare_grads()
@@ -210,7 +182,7 @@ def train_step(state: TrainState) -> dict:
                 "target_tokens": target_tokens,
             }
     state.scheduler.step(increment=1)
-    (tokens,) = _reduce_sums([float(sum(mb.num_tokens for mb in microbatches))], _is_data_rank())
+    (tokens,) = reduce_sums([float(sum(mb.num_tokens for mb in microbatches))], is_data_rank())
     state.consumed_samples += cfg.train.global_batch_size
     return {
         "loss": loss,
@@ -218,19 +190,6 @@ def train_step(state: TrainState) -> dict:
         "tokens": int(tokens),
         "target_tokens": int(target_tokens),
     }
-
-
-def evaluate(state: TrainState) -> float:
-    for chunk in state.model:
-        chunk.eval()
-    total, n = 0.0, 0.0
-    with torch.no_grad():
-        for microbatches in state.val_batches[: state.cfg.eval.iters]:
-            s, c = run_batches(state, microbatches, forward_only=True)
-            total, n = total + s, n + c
-    for chunk in state.model:
-        chunk.train()
-    return total / max(n, 1.0)
 
 
 def _handle_bad_step(state: TrainState, out: dict) -> None:
@@ -291,7 +250,7 @@ def fit(state: TrainState) -> None:
             state.extra["last_loss"] = out["loss"]
             t0 = time.perf_counter()
             if cfg.eval.interval and state.step % cfg.eval.interval == 0 and state.val_batches:
-                val = evaluate(state)
+                val = evaluate(state, state.val_batches[: cfg.eval.iters]).loss
                 writer.write({"step": state.step, "eval_loss": val})
                 state.extra.setdefault("eval_losses", []).append((state.step, val))
             store.poll(state)  # publish a finished background save (GPU)

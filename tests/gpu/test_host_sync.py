@@ -9,13 +9,13 @@ A sync is attributed to the innermost ftcore function on its stack; the intended
 
 - `ftcore/training/step.py:loss_sums`: the step's loss and target-token sums, read once per step (logging,
   and the host decides to skip a non-finite step);
-- `ftcore/training/trainer.py:_reduce_sums`: the all-reduced sums back on the host, a few per step;
+- `ftcore/training/step.py:reduce_sums`: the all-reduced sums back on the host, a few per step;
 - `ftcore/training/optim.py:*`: gradient norm, clipping and the update decision (found-inf), once per step
   (megatron's own optimizer code reads the norm too).
 
 Anything else fails the test with its stacks, and so does any sync whose count grows with the
 number of micro-batches (the same case at 2 and at 4 micro-batches per step). Syncs inside
-megatron's forward/backward schedule are attributed to `trainer.py:run_batches` and are not
+megatron's forward/backward schedule are attributed to `step.py:run_batches` and are not
 intended. Each case runs in its own process (`python -m tests.gpu.test_host_sync`).
 """
 
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 INTENDED = {
     "ftcore/training/step.py:loss_sums": "loss and target-token sums, one read per step",
-    "ftcore/training/trainer.py:_reduce_sums": "the all-reduced sums on the host, per step",
+    "ftcore/training/step.py:reduce_sums": "the all-reduced sums on the host, per step",
     "ftcore/training/optim.py:*": "gradient norm, clipping, update decision, once per step",
 }
 WARMUP, STEPS = 3, 2

@@ -111,7 +111,11 @@ def test_tiny_layout_bench_end_to_end(tmp_path):
     assert line["status"] == "ok", line.get("error")
     assert line["steps_measured"] == 1 and line["layout"]["world"] == 1
     assert line["step_time_s"] > 0 and line["tokens_per_s_per_gpu"] > 0
-    assert set(line["time_split_s"]) == set(report.SPLIT)
+    split = line["time_split_s"]
+    assert set(split) == set(report.SPLIT)
+    # timed through state.timers: every part a one-process step has, and no pipeline
+    assert all(split[k] > 0 for k in ("data", "fwd_bwd", "grad_sync", "optimizer")), split
+    assert split["pp_p2p"] == 0.0
     assert line["predicted"]["tokens_per_s_per_gpu"] > 0
     assert math.isfinite(line["measured_over_predicted"])
     assert len(line["losses"]) == 2 and all(math.isfinite(x) for x in line["losses"])
