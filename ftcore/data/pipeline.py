@@ -16,7 +16,7 @@ from ftcore.config.schema import assets_dir
 from ftcore.data.packing import MicroBatch, attention_mask_from_segments, make_microbatch
 from ftcore.data.sampler import Sampler, rng
 from ftcore.data.templates import Doc
-from ftcore.data.tokenized import Tokenized, tokenize_source
+from ftcore.data.tokenized import DocTable, Tokenized, tokenize_source
 from ftcore.data.transfer import pin_host_batches
 from ftcore.errors import FtcoreError
 
@@ -40,7 +40,7 @@ def bundled_data(split: str) -> str:
 class Docs:
     """The documents a loader draws from, after truncation, and what happened on the way."""
 
-    docs: list[Doc] = field(default_factory=list)
+    docs: DocTable | list[Doc] = field(default_factory=DocTable)
     source_ids: list[np.ndarray] = field(default_factory=list)  # doc ids of each source
     truncated: int = 0
     dropped: int = 0
@@ -50,22 +50,38 @@ class Docs:
 def _truncate(
     docs: Docs, tok: Tokenized, picks: np.ndarray, seq_len: int, policy: str
 ) -> np.ndarray:
-    """Append the picked documents of one source to `docs`; return their ids there."""
-    out = []
-    for i in picks:
-        d = tok.doc(int(i))
-        if len(d) > seq_len:
-            if policy == "drop":
-                docs.dropped += 1
-                continue
-            d = Doc(d.ids[:seq_len], d.targets[:seq_len])
-            if not d.targets[1:].any():  # nothing left to learn from
-                docs.dropped += 1
-                continue
-            docs.truncated += 1
-        out.append(len(docs.docs))
-        docs.docs.append(d)
-    return np.asarray(out, np.int64)
+    """Append the picked documents of one source to `docs`; return their ids there. Reads the
+    tokens of the over-long documents only (a truncated one must keep a target)."""
+    picks = np.asarray(picks, np.int64)
+    start = np.asarray(tok.offsets[picks], np.int64)
+    lengths = np.asarray(tok.offsets[picks + 1], np.int64) - start
+    learn = tok.doc_learn(picks)
+    keep = np.ones(len(picks), bool)
+    for j in np.flatnonzero(lengths > seq_len):
+        a = int(start[j])
+        n = np.count_nonzero(tok.targets[a + 1 : a + seq_len]) if policy != "drop" else 0
+        if n == 0:  # dropped, or nothing left to learn from
+            keep[j] = False
+            docs.dropped += 1
+            continue
+        lengths[j], learn[j] = seq_len, n
+        docs.truncated += 1
+    first = len(docs.docs)
+    docs.docs.extend(tok, start[keep], lengths[keep], learn[keep])
+    return np.arange(first, first + int(keep.sum()), dtype=np.int64)
+
+
+def doc_lengths(docs) -> np.ndarray:
+    if isinstance(docs, DocTable):
+        return docs.lengths
+    return np.asarray([len(d) for d in docs], np.int64)
+
+
+def doc_learn(docs) -> np.ndarray:
+    """Target tokens after each document's first (what its loss counts)."""
+    if isinstance(docs, DocTable):
+        return docs.learn
+    return np.asarray([int(d.targets[1:].sum()) for d in docs], np.int64)
 
 
 def _check(cfg) -> None:
@@ -194,7 +210,7 @@ class TrainLoader:
             )
         self.docs, self.pad_id, self.seq_len = docs, pad_id, cfg.data.seq_len
         self.global_batch, self.dp_rank, self.per_rank = t.global_batch_size, dp_rank, per_rank
-        lengths = np.asarray([len(d) for d in docs.docs], np.int64)
+        lengths = doc_lengths(docs.docs)
         self.sampler = Sampler(
             docs.source_ids, counts, lengths, cfg.data.seq_len, cfg.data.packing, cfg.run.seed
         )
@@ -203,10 +219,10 @@ class TrainLoader:
         self.report = self._report()
 
     def _report(self) -> dict:
-        rows = self.sampler.rows(0)
-        ids = [d for r in rows for d in r]
-        tokens = sum(len(self.docs.docs[d]) for d in ids)
-        targets = sum(int(self.docs.docs[d].targets[1:].sum()) for d in ids)
+        rows = len(self.sampler.rows(0))
+        ids = self.sampler.epoch_docs(0)  # the documents of epoch 0's rows, in another order
+        tokens = int(doc_lengths(self.docs.docs)[ids].sum())
+        targets = int(doc_learn(self.docs.docs)[ids].sum())
         return {
             "samples": len(ids),
             "tokens": tokens,
@@ -214,9 +230,9 @@ class TrainLoader:
             "dropped": self.docs.dropped,
             "truncated": self.docs.truncated,
             "bad_records": self.docs.bad_records,
-            "rows": len(rows),
-            "packing_efficiency": targets / max(1, len(rows) * self.seq_len),
-            "slot_fill": tokens / max(1, len(rows) * self.seq_len),
+            "rows": rows,
+            "packing_efficiency": targets / max(1, rows * self.seq_len),
+            "slot_fill": tokens / max(1, rows * self.seq_len),
         }
 
     def next_rows(self) -> list[list[int]]:
@@ -405,4 +421,4 @@ def build_val_batches(
 def _pack(docs: Docs, seq_len: int) -> list[list[int]]:
     from ftcore.data.packing import pack
 
-    return pack([len(d) for d in docs.docs], seq_len)
+    return pack(doc_lengths(docs.docs).tolist(), seq_len)

@@ -79,27 +79,32 @@ def iter_records(files: list[Path] | str) -> Iterator[tuple[str, object]]:
 
 
 def _json_records(f: Path) -> Iterator[tuple[str, object]]:
-    data = f.read_bytes()
-    if not data.strip():
+    """JSONL read line by line (never the whole file at once, so a file larger than memory
+    streams); a `.json` file holding an array is parsed whole (_json_array)."""
+    with open(f, "rb") as fh:
+        head = fh.read(4096)
+        if f.suffix == ".json" and head.lstrip()[:1] == b"[":
+            yield from _json_array(f, head + fh.read())
+            return
+        fh.seek(0)
+        seen = False
+        for n, raw in enumerate(fh, start=1):
+            seen, where = seen or bool(raw.strip()), f"{f}:{n}"
+            try:
+                line = raw.rstrip(b"\n").decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield where, RecordError(where, f"invalid UTF-8 at byte {e.start} of the line")
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield where, RecordError(where, f"malformed JSON: {e.msg} (column {e.colno})")
+    if not seen:
         raise FtcoreError(
             f"{f} is empty", field="data.path", fix="give a file with at least one record"
         )
-    if f.suffix == ".json" and data.lstrip()[:1] == b"[":
-        yield from _json_array(f, data)
-        return
-    for n, raw in enumerate(data.split(b"\n"), start=1):
-        where = f"{f}:{n}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            yield where, RecordError(where, f"invalid UTF-8 at byte {e.start} of the line")
-            continue
-        if not line.strip():
-            continue
-        try:
-            yield where, json.loads(line)
-        except json.JSONDecodeError as e:
-            yield where, RecordError(where, f"malformed JSON: {e.msg} (column {e.colno})")
 
 
 def _json_array(f: Path, data: bytes) -> Iterator[tuple[str, object]]:

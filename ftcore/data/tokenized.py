@@ -2,9 +2,13 @@
 
 The cache key covers the data files (path, size, mtime), the tokenizer, the format, the chat
 template and the masking settings; truncation and packing happen later, so they are not part of
-it. Rank 0 builds the cache while the other ranks wait at a barrier, then they read it; a rank
-that finds no cache (another node's disk, an error on rank 0) builds the same thing itself, so an
-error in the data is raised by every rank alike.
+it. Records are tokenized as they are read and appended to a memory-mapped cache entry
+(ftcore.data.token_cache), so neither the text nor the ids of a whole data set are ever held in
+memory, and the ranks of a node share one copy of the tokens through the page cache. Rank 0
+builds the entry while the other ranks wait at a barrier; then the local rank 0 of every other
+node builds it where its disk does not have it (a node-local cache directory), and every rank
+opens it. A rank that still finds no entry builds the same thing itself, so an error in the data
+is raised by every rank alike.
 """
 
 from __future__ import annotations
@@ -13,29 +17,30 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ftcore.data import sources
+from ftcore.data import sources, token_cache
 from ftcore.data.templates import BadRecord, Doc, Renderer
 from ftcore.errors import FtcoreError
 
 log = logging.getLogger("ftcore")
-CACHE_VERSION = 2  # 2: chat ids are the whole rendered text tokenized once
+CACHE_VERSION = 3  # 2: chat ids are the whole rendered text tokenized once; 3: memory-mapped
 
 
 @dataclass
 class Tokenized:
-    """Documents of one source, stored flat: doc i is ids[offsets[i]:offsets[i+1]]."""
+    """Documents of one source, stored flat: doc i is ids[offsets[i]:offsets[i+1]]. From the
+    cache the arrays are read-only memory maps: a document is read when it is used."""
 
     ids: np.ndarray  # int32
     targets: np.ndarray  # bool
     offsets: np.ndarray  # int64, len = docs + 1
     bad_records: int = 0
     bad_examples: list[str] = field(default_factory=list)
+    learn: np.ndarray | None = None  # int32 per doc: targets after its first token
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -46,6 +51,53 @@ class Tokenized:
 
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+    def doc_learn(self, picks: np.ndarray) -> np.ndarray:
+        """Targets after the first token of each picked document (stored in the cache)."""
+        if self.learn is not None:
+            return np.asarray(self.learn[picks], np.int64)
+        off = self.offsets
+        return np.asarray([np.count_nonzero(self.targets[off[i] + 1 : off[i + 1]]) for i in picks],
+                          np.int64)  # fmt: skip
+
+
+class DocTable:
+    """The documents a loader draws from, as a read-only sequence of Docs over the sources'
+    (memory-mapped) tokens: document i is tokens start[i]:start[i]+length[i] of source src[i]
+    (a right-truncated document has a shorter length). Per document only these numbers and its
+    target count are held in memory; its tokens are read when it is indexed."""
+
+    def __init__(self):
+        self.sources: list[Tokenized] = []
+        self.src = np.zeros(0, np.int32)
+        self.start = np.zeros(0, np.int64)
+        self.lengths = np.zeros(0, np.int64)
+        self.learn = np.zeros(0, np.int64)  # targets after the first token, per document
+
+    def extend(self, tok: Tokenized, start, lengths, learn) -> None:
+        self.sources.append(tok)
+        k = len(self.sources) - 1
+        self.src = np.concatenate([self.src, np.full(len(start), k, np.int32)])
+        self.start = np.concatenate([self.start, np.asarray(start, np.int64)])
+        self.lengths = np.concatenate([self.lengths, np.asarray(lengths, np.int64)])
+        self.learn = np.concatenate([self.learn, np.asarray(learn, np.int64)])
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            out = DocTable()
+            out.sources = self.sources
+            out.src, out.start = self.src[i], self.start[i]
+            out.lengths, out.learn = self.lengths[i], self.learn[i]
+            return out
+        tok, a = self.sources[self.src[i]], int(self.start[i])
+        b = a + int(self.lengths[i])
+        return Doc(tok.ids[a:b], tok.targets[a:b])
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
 def default_cache_dir() -> Path:
@@ -65,63 +117,73 @@ def tokenizer_fingerprint(tok) -> str:
     return h.hexdigest()
 
 
-def _build(files, renderer: Renderer, on_bad: str, max_samples: int | None) -> Tokenized:
-    ids, targets, offsets, bad, examples = [], [], [0], 0, []
-    for where, rec in sources.iter_records(files):
-        if max_samples is not None and len(offsets) - 1 >= max_samples:
-            break
-        try:
-            if isinstance(rec, Exception):
-                raise rec
-            doc = renderer.doc(rec)
-        except (BadRecord, sources.RecordError) as e:
-            if on_bad != "skip":
-                raise FtcoreError(
-                    f"{where}: {e}",
-                    field="data.path",
-                    fix="fix or remove the record, or skip bad records with data.on_bad_record=skip",
-                ) from None
-            bad += 1
-            if len(examples) < 5:
-                examples.append(f"{where}: {e}")
-            continue
-        ids.append(doc.ids)
-        targets.append(doc.targets)
-        offsets.append(offsets[-1] + len(doc))
-    if len(offsets) == 1:
-        raise FtcoreError(
-            f"no usable records in {files if isinstance(files, str) else ', '.join(map(str, files))}"
-            + (f" ({bad} bad records skipped)" if bad else ""),
-            field="data.path",
-            fix="check the data format (data.format) and the records",
-        )
-    return Tokenized(
-        ids=np.concatenate(ids).astype(np.int32),
-        targets=np.concatenate(targets),
-        offsets=np.asarray(offsets, np.int64),
-        bad_records=bad,
-        bad_examples=examples,
+def _build(
+    files, renderer: Renderer, on_bad: str, max_samples: int | None, entry: Path, key: str
+) -> Tokenized:
+    """Tokenize the records one at a time into a new cache entry; the entry, memory-mapped."""
+    try:
+        writer = token_cache.Writer(entry, key)
+    except OSError as e:
+        raise _unwritable(entry, e) from None
+    bad, examples = 0, []
+    try:
+        for where, rec in sources.iter_records(files):
+            if max_samples is not None and writer.docs >= max_samples:
+                break
+            try:
+                if isinstance(rec, Exception):
+                    raise rec
+                doc = renderer.doc(rec)
+            except (BadRecord, sources.RecordError) as e:
+                if on_bad != "skip":
+                    raise FtcoreError(
+                        f"{where}: {e}",
+                        field="data.path",
+                        fix="fix or remove the record, or skip bad records with data.on_bad_record=skip",
+                    ) from None
+                bad += 1
+                if len(examples) < 5:
+                    examples.append(f"{where}: {e}")
+                continue
+            writer.add(doc.ids, doc.targets)
+        if writer.docs == 0:
+            raise FtcoreError(
+                f"no usable records in {files if isinstance(files, str) else ', '.join(map(str, files))}"
+                + (f" ({bad} bad records skipped)" if bad else ""),
+                field="data.path",
+                fix="check the data format (data.format) and the records",
+            )
+        writer.commit({"bad_records": bad, "bad_examples": examples})
+    except OSError as e:
+        writer.abort()
+        raise _unwritable(entry, e) from None
+    except BaseException:
+        writer.abort()
+        raise
+    out = _load(entry, key)
+    if out is None:
+        raise _unwritable(entry, OSError("the entry written cannot be read back"))
+    return out
+
+
+def _unwritable(entry: Path, e: OSError) -> FtcoreError:
+    return FtcoreError(
+        f"cannot write the tokenization cache {entry} ({e})",
+        field="data.cache_dir",
+        fix="point data.cache_dir at a writable directory with room for the tokens "
+        "(about 5 bytes per token)",
     )
 
 
-def _save(path: Path, t: Tokenized) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp.npz")
-    os.close(fd)
-    meta = json.dumps({"bad_records": t.bad_records, "bad_examples": t.bad_examples})
-    np.savez(tmp, ids=t.ids, targets=t.targets, offsets=t.offsets, meta=np.array(meta))
-    os.replace(tmp, path)  # atomic: readers see a complete file or none
-
-
-def _load(path: Path) -> Tokenized | None:
-    try:
-        with np.load(path) as z:
-            meta = json.loads(str(z["meta"]))
-            return Tokenized(
-                z["ids"], z["targets"], z["offsets"], meta["bad_records"], meta["bad_examples"]
-            )
-    except (OSError, ValueError, KeyError):
+def _load(entry: Path, key: str) -> Tokenized | None:
+    opened = token_cache.open_entry(entry, key)
+    if opened is None:
         return None
+    a, header = opened
+    return Tokenized(
+        a["ids"], a["targets"], a["offsets"], header["bad_records"], header["bad_examples"],
+        a["learn"],
+    )  # fmt: skip
 
 
 def _dist():
@@ -151,26 +213,25 @@ def tokenize_source(
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:32]
     cache_dir = Path(data_cfg.cache_dir).expanduser() if data_cfg.cache_dir else default_cache_dir()
-    cache = cache_dir / f"{digest}.npz"
-    build = lambda: _build(files, renderer, data_cfg.on_bad_record, data_cfg.max_samples)  # noqa: E731
+    entry = cache_dir / f"{digest}{token_cache.SUFFIX}"
+    args = (files, renderer, data_cfg.on_bad_record, data_cfg.max_samples, entry, key)
     dist = _dist()
     rank = dist.get_rank() if dist else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", rank)) if dist else 0
     result, error = None, None
-    if rank == 0:
-        result = _load(cache)
-        if result is None:
-            try:
-                result = build()
+    # rank 0 first, then the local rank 0 of the nodes whose disk lacks the entry
+    for builder in (rank == 0, local_rank == 0 and rank != 0):
+        if builder and error is None:
+            result = _load(entry, key)
+            if result is None:
                 try:
-                    _save(cache, result)
-                except OSError as e:
-                    log.warning("data: cannot write the tokenization cache %s (%s)", cache, e)
-            except FtcoreError as e:
-                error = e
-    if dist:
-        dist.barrier()  # rank 0 built (or failed); the others read what it wrote
+                    result = _build(*args)
+                except FtcoreError as e:
+                    error = e
+        if dist:
+            dist.barrier()  # the builders built (or failed); the others read what they wrote
     if error is not None:
         raise error
     if result is None:
-        result = _load(cache) or build()
+        result = _load(entry, key) or _build(*args)
     return result

@@ -203,7 +203,7 @@ def test_tokenization_cache_reused_and_invalidated(tmp_path, tok, monkeypatch):
     cfg = cfg_for(tmp_path, f)
     build_train_loader(cfg, tok, 0, 1)
     build_train_loader(cfg, tok, 0, 1)
-    assert len(calls) == 1 and len(list((tmp_path / "cache").glob("*.npz"))) == 1
+    assert len(calls) == 1 and len(list((tmp_path / "cache").glob("*.tok"))) == 1
     build_train_loader(
         cfg_for(tmp_path, f, "data.seq_len=32"), tok, 0, 1
     )  # packing/seq_len: same cache
