@@ -154,7 +154,7 @@ def test_search_ranks_only_layouts_that_fit():
 
 
 def test_lora_plan_agrees_with_the_peft_module():
-    from ftcore.peft.lora import plan_targets
+    from ftcore.peft.config import plan_targets
 
     for targets in (
         ["linear_qkv"],
