@@ -3,7 +3,7 @@ checkpoint of any layout -> a Hugging Face model directory, in one process, one 
 
 DIR is a `checkpoints/step_<N>` directory, a `checkpoints/` directory (its `latest`) or a run
 directory. The model's shapes and tokenizer come from the run's `config.yaml`. The output defaults
-to `<run.dir>/hf_model`. A LoRA run's (adapter-only) checkpoint goes to ftcore.peft.export:
+to `<run.dir>/hf_model`. A LoRA run's (adapter-only) checkpoint goes to ftcore.peft.merge:
 `hf_adapter/`, or with `export.merge=true` the merged model streamed from the run's base.
 """
 
@@ -55,10 +55,10 @@ def merge_transform(cfg: DictConfig, run_cfg: DictConfig, step_dir: Path):
 
     check_merge(run_cfg)  # an FP8/FP4-trained base would round the low-rank update away
     try:
-        from ftcore.peft.export import merge_transform as peft_merge
+        from ftcore.peft.merge import merge_transform as peft_merge
     except ImportError as e:
         raise FtcoreError(
-            "export.merge needs ftcore.peft.export.merge_transform", field="export.merge"
+            "export.merge needs ftcore.peft.merge.merge_transform", field="export.merge"
         ) from e
     return peft_merge(cfg, run_cfg, step_dir)
 
@@ -79,7 +79,7 @@ def task(cfg: DictConfig) -> int | None:
     out = Path(cfg.export.output or default)
     check_output(out, cfg.export.overwrite)
     if adapter:
-        from ftcore.peft.export import export_adapter_checkpoint
+        from ftcore.peft.merge import export_adapter_checkpoint
 
         export_adapter_checkpoint(step_dir, run_cfg, str(out), merge=cfg.export.merge)
     else:

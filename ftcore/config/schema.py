@@ -224,17 +224,20 @@ class ClusterConfig:
     compute_capability: Optional[float] = None  # 9.0 (H100/H200), 10.0 (B200/GB200), 10.3 (GB300)
     # dense per precision: bf16, fp8, fp4
     peak_tflops: dict[str, float] = field(default_factory=dict)
-    matmul_efficiency: float = 0.7  # achievable fraction of peak on large GEMMs
-    attention_efficiency: float = 0.5  # flash attention, fraction of the bf16 peak (planner)
     hbm_gbps: float = 100.0  # memory bandwidth, GB/s: elementwise kernels, optimizer (planner)
     nvlink_domain: int = 1  # GPUs per NVLink domain
-    nvlink_gbps: float = 0.0  # GB/s per GPU, one direction
+    # GB/s per GPU, one direction; null: the calibration's (local_cpu: gloo's fitted rate)
+    nvlink_gbps: Optional[float] = None
     network_gbps: float = 0.0  # GB/s per GPU across nodes
-    reserve_gib: float = 0.0  # framework / allocator reserve per GPU
-    step_overhead_s: float = 0.0  # fixed per-step cost (launch, Python)
-    layer_overhead_s: float = 0.0  # fixed cost per layer and micro-batch (Python, autograd)
-    sp_layer_overhead_s: float = 0.0  # what sequence parallelism adds to it (host cost)
     host_probe: bool = False  # CPU only: measure peak_tflops and hbm_gbps here (planner/host.py)
+    # The planner's fitted constants: null takes those of cluster.name in
+    # ftcore/planner/calibration.py (which says what they were fitted to); a value replaces them.
+    matmul_efficiency: Optional[float] = None  # achievable fraction of peak on large GEMMs
+    attention_efficiency: Optional[float] = None  # flash attention, fraction of the bf16 peak
+    step_overhead_s: Optional[float] = None  # fixed per-step cost (launch, Python)
+    layer_overhead_s: Optional[float] = None  # fixed cost per layer and micro-batch (host)
+    sp_layer_overhead_s: Optional[float] = None  # what sequence parallelism adds to it (host)
+    reserve_gib: Optional[float] = None  # framework / allocator reserve per GPU
 
 
 @dataclass

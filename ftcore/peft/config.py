@@ -1,13 +1,17 @@
-"""LoRA settings and their checks, kept free of torch and megatron imports so a config error
-exits 2 before anything heavy is imported (validate() and the launching parent use this)."""
+"""LoRA settings, target names and their checks, kept free of torch and megatron imports so a
+config error exits 2 before anything heavy is imported (validate() and the launching parent use
+this). The adapter files are read here only as far as the checks need: adapter_config.json and
+the tensor shapes in the safetensors header."""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
+from safetensors import safe_open  # torch-free with framework="numpy"
 
 from ftcore.errors import FtcoreError
 
@@ -27,6 +31,14 @@ PARENT = {
     "linear_fc1": "mlp",
     "linear_fc2": "mlp",
 }
+HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+# a PEFT adapter key: base_model.model.model.layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight
+PEFT_KEY = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$"
+)
+ADAPTER_FILE, CONFIG_FILE = "adapter_model.safetensors", "adapter_config.json"
+LEGACY_ADAPTER_FILE = "adapter_model.bin"
 
 
 def scaling(r: int, alpha: float, rslora: bool) -> float:
@@ -47,6 +59,38 @@ class LoraSettings:
     @property
     def scale(self) -> float:
         return scaling(self.r, self.alpha, self.rslora)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Full (unsharded) shapes of a Llama layer's linears."""
+
+    hidden: int
+    ffn: int
+    heads: int
+    groups: int  # kv heads
+    head_dim: int
+
+    @classmethod
+    def of(cls, config) -> Geometry:
+        """From megatron's TransformerConfig."""
+        return cls(config.hidden_size, config.ffn_hidden_size, config.num_attention_heads,
+                   config.num_query_groups, config.kv_channels)  # fmt: skip
+
+    def out_in(self, hf_name: str) -> tuple[int, int]:
+        """(out, in) features of one slice, full size, as the Hugging Face module has them."""
+        h, f, q, kv = self.hidden, self.ffn, self.heads * self.head_dim, self.groups * self.head_dim
+        return {
+            "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
+        }[hf_name]  # fmt: skip
+
+
+def geometry(model_cfg) -> Geometry:
+    """From the config's `model` section."""
+    m = model_cfg
+    return Geometry(m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups,
+                    m.kv_channels or m.hidden_size // m.num_attention_heads)  # fmt: skip
 
 
 def plan_targets(targets) -> dict[str, dict[str, str]]:
@@ -80,7 +124,7 @@ def plan_targets(targets) -> dict[str, dict[str, str]]:
 
 
 def read_adapter_config(path: str) -> dict:
-    f = Path(path) / "adapter_config.json"
+    f = Path(path) / CONFIG_FILE
     if not f.is_file():
         raise FtcoreError(f"{f} does not exist", field="peft.adapter_path",
                           fix="point peft.adapter_path at a PEFT adapter directory (e.g. a run's hf_adapter/)")  # fmt: skip
@@ -88,6 +132,59 @@ def read_adapter_config(path: str) -> dict:
         return json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise FtcoreError(f"{f} is not valid JSON: {e}", field="peft.adapter_path") from e
+
+
+def adapter_file(path) -> Path:
+    """The weights file of a PEFT directory: safetensors, or a legacy .bin."""
+    path = Path(path)
+    for name in (ADAPTER_FILE, LEGACY_ADAPTER_FILE):
+        if (path / name).is_file():
+            return path / name
+    raise FtcoreError(f"{path} has no {ADAPTER_FILE}", field="peft.adapter_path",
+                      fix="point peft.adapter_path at a PEFT adapter directory")  # fmt: skip
+
+
+def by_module(sd: dict, field: str) -> dict[tuple[int, str, str], object]:
+    """{(layer, hf module, A|B): value} of a dict keyed by PEFT keys (tensors or shapes); refuses
+    what ftcore cannot load."""
+    out = {}
+    for k, t in sd.items():
+        m = PEFT_KEY.search(k)
+        if m is None or m.group(3) not in HF_PARENT:
+            raise FtcoreError(f"the adapter holds {k}, which ftcore cannot load (only LoRA on "
+                              f"{', '.join(HF_PARENT)})", field=field)  # fmt: skip
+        out[(int(m.group(1)), m.group(3), m.group(4))] = t
+    return out
+
+
+def adapter_shapes(path) -> dict[str, tuple[int, ...]]:
+    """{PEFT key: shape} of an adapter directory, read from the safetensors header."""
+    f = adapter_file(path)
+    if f.name == LEGACY_ADAPTER_FILE:
+        import torch  # lazy: only a legacy .bin needs torch; keeps it out of the config checks
+
+        sd = torch.load(f, map_location="cpu", weights_only=True)
+        return {k: tuple(t.shape) for k, t in sd.items()}
+    with safe_open(str(f), framework="numpy") as st:
+        return {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
+
+
+def check_adapter_fits(adapter_dir, model_cfg) -> None:
+    """Refuse an adapter whose tensors do not fit the model (another base) before anything is built."""
+    config = read_adapter_config(str(adapter_dir))
+    geo, r = geometry(model_cfg), int(config["r"])
+    for (layer, mod, ab), shape in by_module(
+        adapter_shapes(adapter_dir), "peft.adapter_path"
+    ).items():
+        out, inp = geo.out_in(mod)
+        want = (r, inp) if ab == "A" else (out, r)
+        if layer >= model_cfg.num_layers or shape != want:
+            raise FtcoreError(
+                f"{adapter_dir}: layers.{layer}.{mod}.lora_{ab} has shape {shape}, this model "
+                f"({model_cfg.num_layers} layers) needs {want if layer < model_cfg.num_layers else 'no such layer'}: "
+                "the adapter was trained on another base",
+                field="peft.adapter_path", fix="use the adapter with the base model it was trained on",
+            )  # fmt: skip
 
 
 def settings(cfg: DictConfig) -> LoraSettings:
@@ -138,6 +235,4 @@ def check_config(cfg: DictConfig) -> None:
                           fix="e.g. peft.target_modules=[q_proj,k_proj,v_proj,o_proj]")  # fmt: skip
     plan_targets(s.targets)
     if s.adapter_path:
-        from ftcore.peft.export import check_adapter_fits
-
         check_adapter_fits(s.adapter_path, cfg.model)

@@ -20,8 +20,6 @@ per TP shard for linear_fc1. The functions below are plain so TE variants can re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
@@ -33,32 +31,8 @@ from megatron.core.transformer.utils import (
 from torch import nn
 
 from ftcore.peft import fused
-from ftcore.peft.config import COLUMN, SLICES, scaling  # noqa: F401 - re-exported
+from ftcore.peft.config import COLUMN, Geometry
 from ftcore.runtime import cpu
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """Full (unsharded) shapes of a Llama layer's linears."""
-
-    hidden: int
-    ffn: int
-    heads: int
-    groups: int  # kv heads
-    head_dim: int
-
-    @classmethod
-    def of(cls, config) -> Geometry:
-        return cls(config.hidden_size, config.ffn_hidden_size, config.num_attention_heads,
-                   config.num_query_groups, config.kv_channels)  # fmt: skip
-
-    def out_in(self, hf_name: str) -> tuple[int, int]:
-        """(out, in) features of one slice, full size, as the Hugging Face module has them."""
-        h, f, q, kv = self.hidden, self.ffn, self.heads * self.head_dim, self.groups * self.head_dim
-        return {
-            "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
-        }[hf_name]  # fmt: skip
 
 
 def fuse_column(

@@ -18,19 +18,10 @@ from megatron.core import parallel_state as ps
 from omegaconf import DictConfig
 
 from ftcore.models.sharding import iter_params, shard_info, take_shard, unwrap
-from ftcore.peft.config import (  # noqa: F401 - re-exported: the settings live in peft/config.py
-    COLUMN,
-    HF_NAMES,
-    PARENT,
-    SLICES,
-    LoraSettings,
-    check_config,
-    plan_targets,
-    read_adapter_config,
-    scaling,
-    settings,
-)  # fmt: skip
-from ftcore.peft.layers import Geometry, LoraParallelLinear  # noqa: F401
+from ftcore.peft.adapter_format import load_hf_adapter
+from ftcore.peft.config import PARENT, Geometry, LoraSettings, check_config, plan_targets, settings
+from ftcore.peft.layers import LoraParallelLinear
+from ftcore.peft.qlora import quantize_linear
 from ftcore.peft.te_layers import lora_linear  # the TE variant over TE linears (GPU spec)
 from ftcore.runtime import dist as rdist
 
@@ -83,11 +74,7 @@ def apply_peft(cfg: DictConfig, chunks: list) -> LoraSettings:
     for chunk in chunks:
         for p in chunk.parameters():
             p.requires_grad_(False)
-    quantize = None
-    if cfg.peft.name == "qlora":
-        from ftcore.peft.qlora import quantize_linear
-
-        quantize = quantize_linear
+    quantize = quantize_linear if cfg.peft.name == "qlora" else None
     for layer in _layers(chunks):
         for module, parent_name in PARENT.items():
             parent = getattr(layer, parent_name)
@@ -100,8 +87,6 @@ def apply_peft(cfg: DictConfig, chunks: list) -> LoraSettings:
             setattr(parent, module, base)
     init_adapters(chunks, cfg.run.seed)
     if s.adapter_path:
-        from ftcore.peft.export import load_hf_adapter
-
         load_hf_adapter(chunks, s, cfg)
     trainable, total = count_params(cfg, chunks)
     if dist.get_rank() == 0 if dist.is_initialized() else True:
@@ -152,14 +137,3 @@ def lora_modules(chunks):
             m = getattr(getattr(layer, parent_name), module)
             if isinstance(m, LoraParallelLinear):
                 yield layer.layer_number - 1, module, m
-
-
-__all__ = [
-    "COLUMN",
-    "LoraSettings",
-    "apply_peft",
-    "check_config",
-    "count_params",
-    "plan_targets",
-    "settings",
-]

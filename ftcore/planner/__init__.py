@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from ftcore.errors import FtcoreError
 from ftcore.planner import throughput as _throughput
 from ftcore.planner.memory import GiB, StageMemory, all_stages, host_bytes
+from ftcore.planner.search import smallest_fit
 from ftcore.planner.view import view
 
 __all__ = ["check_fit", "plan", "gpus_needed"]
@@ -87,8 +88,6 @@ def _host_gib(cfg, world: int) -> dict:
 
 def gpus_needed(cfg: DictConfig) -> int | None:
     """Fewest GPUs of this cluster type on which some layout fits (search over tp/pp/cp/dp)."""
-    from ftcore.planner.search import smallest_fit
-
     return smallest_fit(cfg)
 
 

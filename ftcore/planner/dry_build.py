@@ -30,10 +30,20 @@ import copy
 import logging
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from omegaconf import DictConfig
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ftcore.errors import FtcoreError
+from ftcore.models.builder import build_model, wrap_ddp
+from ftcore.peft.lora import apply_peft
 from ftcore.planner.params import rank_params
+from ftcore.precision import recipes
+from ftcore.runtime import cpu
+from ftcore.runtime.dist import init_model_parallel
+from ftcore.training.optim import build_optimizer
 
 log = logging.getLogger("ftcore")
 
@@ -55,12 +65,6 @@ def planned_params(cfg: DictConfig, pp_rank: int) -> int:
 def fake_world(cfg: DictConfig, world: int, pp_rank: int):
     """This process as global rank `pp_rank * world / pp` of a fake process group of `world` ranks,
     with megatron's parallel state of the job's layout."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from ftcore.runtime.dist import init_model_parallel
-
     if dist.is_initialized():
         raise FtcoreError(
             "the dry build needs a process of its own (a process group already exists)",
@@ -83,19 +87,11 @@ def fake_world(cfg: DictConfig, world: int, pp_rank: int):
 
 def build_stage(cfg: DictConfig, world: int, pp_rank: int) -> dict:
     """Build one pipeline rank on meta as the GPU path would; count and locate what it holds."""
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from ftcore.models.builder import build_model, wrap_ddp
-    from ftcore.runtime import cpu
-    from ftcore.training.optim import build_optimizer
-
     with fake_world(cfg, world, pp_rank), cpu.meta_device():
         with cpu.device_mode():
             model_parallel_cuda_manual_seed(cfg.run.seed)  # the RNG tracker megatron's init forks
         chunks = build_model(cfg, init=False)
         if cfg.peft.name != "none":
-            from ftcore.peft.lora import apply_peft
-
             apply_peft(cfg, chunks)
         born_off = off_device(chunks)
         _move_to_meta(chunks)
@@ -191,8 +187,6 @@ def _without_te_cp(cfg: DictConfig) -> DictConfig:
     """megatron's local attention refuses context parallelism (only TE's supports it). CP shards
     no parameter and megatron's dp x cp group keeps its size, so without TE a CP layout is built as
     its data-parallel equivalent: the same parameters, the same DDP buffers."""
-    from ftcore.precision import recipes
-
     if cfg.parallel.cp == 1 or recipes.te_version() is not None:
         return cfg
     log.warning(

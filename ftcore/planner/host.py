@@ -40,7 +40,7 @@ def _median_s(fn, tries: int = TRIES) -> float:
 
 
 def _matmul_tflops(dtype) -> float:
-    import torch
+    import torch  # lazy: the planner is part of the config checks, which run before torch loads
 
     a, b = (
         torch.randn(MATMUL_N, MATMUL_N, dtype=dtype),
@@ -53,7 +53,7 @@ def _matmul_tflops(dtype) -> float:
 @functools.cache
 def probe() -> dict[str, float]:
     """One thread's dense matmul rates in TFLOP/s ("fp32", "bf16") and add bandwidth ("gbps")."""
-    import torch
+    import torch  # lazy: as above, only a CPU cluster with host_probe measures anything
 
     x, y = torch.randn(ADD_ELEMS), torch.randn(ADD_ELEMS)
     z = torch.empty(ADD_ELEMS)

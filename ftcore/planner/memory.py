@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from ftcore.planner import activations as act
+from ftcore.planner import calibration
 from ftcore.planner.layers import split_layers
 from ftcore.planner.params import Param, init_method, linear_shapes, padded_vocab, rank_params
 from ftcore.planner.view import view
@@ -233,7 +234,7 @@ def stage_memory(
         grads=state["grads"],
         optimizer=state["optimizer"],
         activations=activations,
-        reserve=int(cfg.cluster.reserve_gib * GiB),
+        reserve=int(calibration.of(cfg.cluster).reserve_gib * GiB),
         load=state["load_resident"] + state["load_in_flight"],
         parts=dict(
             load_resident=state["load_resident"],

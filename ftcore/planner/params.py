@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from ftcore.planner.layers import split_layers
 
-# The Hugging Face slices of each megatron linear, in fused order (as ftcore.peft.layers.SLICES).
+# The Hugging Face slices of each megatron linear, in fused order (as ftcore.peft.config.SLICES).
 SLICES = {
     "linear_qkv": ("q_proj", "k_proj", "v_proj"),
     "linear_proj": ("o_proj",),
@@ -41,7 +41,7 @@ def padded_vocab(vocab_size: int, tp: int, multiple: int = 128) -> int:
 
 
 def lora_plan(cfg: DictConfig) -> dict[str, dict[str, str]]:
-    """{megatron linear: {slice: A key}} as ftcore.peft.lora.plan_targets builds it: a megatron
+    """{megatron linear: {slice: A key}} as ftcore.peft.config.plan_targets builds it: a megatron
     name gives every slice one shared A, a Hugging Face name one slice with its own A."""
     if cfg.peft.name not in ("lora", "qlora"):
         return {}

@@ -1,4 +1,5 @@
-"""Step time and tokens/s/GPU of a layout, from per-GPU constants in conf/cluster/*.yaml.
+"""Step time and tokens/s/GPU of a layout, from the hardware of conf/cluster/*.yaml and the
+constants fitted per cluster in calibration.py.
 
 One micro-batch on one pipeline rank costs
   GEMMs / (peak[precision] * matmul_efficiency)      FP8/FP4 where the recipe quantizes, else bf16
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from ftcore.planner import activations as act
-from ftcore.planner import host
+from ftcore.planner import calibration, host
 from ftcore.planner.flops import micro_batch_work, model_flops_per_token
 from ftcore.planner.memory import GRAD_REDUCE_IN_FP32, model_state
 from ftcore.planner.view import view
@@ -78,7 +79,8 @@ def _quant_precision(cfg: DictConfig) -> str:
 def _link(cfg: DictConfig, group_span: int) -> float:
     """Bytes/s per GPU for a group spanning `group_span` consecutive ranks."""
     c = cfg.cluster
-    gbps = c.nvlink_gbps if group_span <= max(c.nvlink_domain, 1) else c.network_gbps
+    nvlink = calibration.of(c).nvlink_gbps
+    gbps = nvlink if group_span <= max(c.nvlink_domain, 1) else c.network_gbps
     return max(gbps, 1e-3) * 1e9 * LINK_EFFICIENCY
 
 
@@ -96,13 +98,14 @@ def elementwise_bytes(sh: act.Shape) -> float:
 def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
     """(compute seconds, exposed TP/CP seconds) of one micro-batch on one pipeline rank."""
     c, p = cfg.cluster, cfg.parallel
+    k = calibration.of(c)
     w = micro_batch_work(cfg, pp_rank)
     sh = act.shape_of(cfg)
     base = _peak(cfg, _base_precision(cfg))
-    t = w.gemm_base / (base * c.matmul_efficiency)
+    t = w.gemm_base / (base * k.matmul_efficiency)
     if w.gemm_quant:
-        t += w.gemm_quant / (_peak(cfg, _quant_precision(cfg)) * c.matmul_efficiency)
-    attn_rate = base * (c.attention_efficiency if c.device != "cpu" else c.matmul_efficiency)
+        t += w.gemm_quant / (_peak(cfg, _quant_precision(cfg)) * k.matmul_efficiency)
+    attn_rate = base * (k.attention_efficiency if c.device != "cpu" else k.matmul_efficiency)
     t += w.attention / attn_rate
     hbm = max(c.hbm_gbps, 1e-3) * 1e9 * HBM_EFFICIENCY
     t += w.layers * elementwise_bytes(sh) / hbm
@@ -111,7 +114,7 @@ def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
     passes = 2 + (1 if p.recompute == "full" else 0)
     # host cost per layer and micro-batch (Python, autograd, kernel launches; sequence parallelism
     # adds its gathers and scatters); a full recompute runs the forward (a third of it) twice
-    host = c.layer_overhead_s + (c.sp_layer_overhead_s if p.sp else 0.0)
+    host = k.layer_overhead_s + (k.sp_layer_overhead_s if p.sp else 0.0)
     t += w.layers * host * (4 if p.recompute == "full" else 3) / 3
     comm = 0.0
     if p.tp > 1:
@@ -150,7 +153,8 @@ def step_time(cfg: DictConfig, world: int) -> StepTime:
     )
     elems //= dpc if p.distributed_optimizer else 1
     opt = elems * OPTIM_BYTES / (max(c.hbm_gbps, 1e-3) * 1e9 * HBM_EFFICIENCY)
-    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, opt, c.step_overhead_s)
+    overhead = calibration.of(c).step_overhead_s
+    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, opt, overhead)
 
 
 def throughput(cfg: DictConfig, world: int) -> dict:

@@ -283,7 +283,7 @@ def finish(state: TrainState) -> None:
 
         accuracy(state, "after fine-tuning", before=state.extra.get("accuracy_before"))
     if cfg.peft.name != "none":
-        from ftcore.peft.export import write_hf_adapter
+        from ftcore.peft.adapter_format import write_hf_adapter
 
         out = write_hf_adapter(state)
     else:

@@ -69,7 +69,7 @@ def lora_tp2_pp2(run_dir: str, audit: bool) -> list:
 
     from ftcore.hf.export import write_hf_model
     from ftcore.inference.generation import generate_ids
-    from ftcore.peft.export import gather_full
+    from ftcore.peft.adapter_format import gather_full
     from ftcore.runtime import device_audit
     from ftcore.training import trainer
     from tests.support.layouts import build

@@ -82,7 +82,7 @@ def test_sequence_parallel_falls_back_to_recomputing(pool2, tmp_path):
 def train_adapter_case(hf_dir: str, run_dir: str) -> str:
     from megatron.core import parallel_state as ps
 
-    from ftcore.peft.export import write_hf_adapter
+    from ftcore.peft.adapter_format import write_hf_adapter
     from ftcore.training import trainer
     from tests.support.layouts import SyntheticLoader
 

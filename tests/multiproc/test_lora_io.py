@@ -15,7 +15,7 @@ ALL7 = "peft.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_
 
 
 def write_adapter_case(run_dir: str) -> dict:
-    from ftcore.peft.export import write_hf_adapter
+    from ftcore.peft.adapter_format import write_hf_adapter
     from ftcore.training import trainer
 
     state = build(

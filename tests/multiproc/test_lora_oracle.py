@@ -26,8 +26,9 @@ def oracle_case(hf_dir: str, run_dir: str, targets: list[str], x: torch.Tensor) 
     from ftcore.checkpoint import store
     from ftcore.data.pipeline import MicroBatch
     from ftcore.hf.export import write_hf_model
-    from ftcore.peft.export import live_merge_transform, write_hf_adapter
+    from ftcore.peft.adapter_format import write_hf_adapter
     from ftcore.peft.lora import count_params
+    from ftcore.peft.merge import live_merge_transform
     from ftcore.training import trainer
     from tests.support.layouts import SyntheticLoader
 
@@ -68,7 +69,7 @@ def _rel(a, b) -> float:
 def test_peft_loads_what_ftcore_trained(case, pool2, tiny, tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    from ftcore.peft.export import write_merged_model
+    from ftcore.peft.merge import write_merged_model
 
     x = tokens(batch=2, seq=SEQ + 1)
     results = pool2.run(oracle_case, tiny, str(tmp_path), CASES[case], x)
@@ -95,7 +96,7 @@ def test_peft_loads_what_ftcore_trained(case, pool2, tiny, tmp_path):
     from safetensors.torch import load_file
 
     from ftcore.export import resolve_step_dir, run_config
-    from ftcore.peft.export import export_adapter_checkpoint
+    from ftcore.peft.merge import export_adapter_checkpoint
 
     step = resolve_step_dir(str(tmp_path))
     ad = export_adapter_checkpoint(step, run_config(step), tmp_path / "ckpt_adapter", merge=False)

@@ -21,8 +21,8 @@ def _case(tp: int, sp: bool) -> dict:
     from torch import nn
 
     from ftcore.models.local.norm import RMSNorm
-    from ftcore.peft.layers import Geometry, LoraParallelLinear
-    from ftcore.peft.lora import plan_targets
+    from ftcore.peft.config import Geometry, plan_targets
+    from ftcore.peft.layers import LoraParallelLinear
     from ftcore.peft.te_layers import TELoraParallelLinear, is_te_linear, lora_linear
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)

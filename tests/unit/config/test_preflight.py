@@ -13,8 +13,7 @@ import torch
 from ftcore.config.checks import validate
 from ftcore.config.schema import compose
 from ftcore.errors import FtcoreError
-from ftcore.peft.layers import Geometry
-from ftcore.peft.lora import LoraSettings
+from ftcore.peft.config import Geometry, LoraSettings
 from tests.support.cli import cli, error_line  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -24,7 +23,7 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the refusa
 def tiny_adapter(path: Path, base: str | None = "tiny_base", std: float = 0.5) -> Path:
     """A PEFT LoRA adapter for the bundled tiny base (conf/model/tiny), with weights large enough
     to change its greedy answers."""
-    from ftcore.peft.export import save_adapter
+    from ftcore.peft.adapter_format import save_adapter
 
     g, gen = Geometry(256, 704, 8, 4, 32), torch.Generator().manual_seed(0)
     targets, r, sd = ["q_proj", "v_proj"], 4, {}

@@ -1,6 +1,6 @@
 """The fused LoRA linear (peft/fused.py) against the adapter path it replaces: the base GEMM plus
 each slice's B(A x) * scale put into the fused layout by fuse_column (itself checked against the
-Hugging Face mapping in test_lora.py). Float64, every value and gradient."""
+Hugging Face mapping in test_layers.py). Float64, every value and gradient."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftcore.peft import fused
-from ftcore.peft.layers import Geometry, LoraParallelLinear, fuse_column
+from ftcore.peft.config import Geometry
+from ftcore.peft.layers import LoraParallelLinear, fuse_column
 
 GEO = Geometry(hidden=8, ffn=12, heads=4, groups=2, head_dim=2)
 ROW_IN = {"linear_proj": GEO.heads * GEO.head_dim, "linear_fc2": GEO.ffn}

@@ -178,7 +178,7 @@ def test_search_rows_are_distinct_and_their_overrides_select_them():
 
 
 def test_lora_plan_agrees_with_the_peft_module():
-    from ftcore.peft.lora import plan_targets
+    from ftcore.peft.config import plan_targets
 
     for targets in (
         ["linear_qkv"],

@@ -1,0 +1,205 @@
+"""Adapters in and out in Hugging Face PEFT format.
+
+PEFT's file format: `adapter_config.json` (LoraConfig) + `adapter_model.safetensors` with keys
+`base_model.model.model.layers.<i>.<self_attn|mlp>.<hf module>.lora_<A|B>.weight` holding full
+(unsharded) tensors. A shared A (megatron target names) is written once per slice it serves.
+Ours are `decoder.layers.<i>.<self_attention|mlp>.<linear>.lora_<A|B>.<key>` (peft/layers.py),
+sharded over TP: written gathered, read back into each rank's shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from safetensors.torch import load_file, save_file
+
+from ftcore.errors import FtcoreError
+from ftcore.hf.io import weights_source
+from ftcore.models.sharding import iter_params, join_shards, shard_info, take_shard
+from ftcore.peft.config import (
+    ADAPTER_FILE,
+    HF_PARENT,
+    SLICES,
+    LoraSettings,
+    adapter_file,
+    by_module,
+    read_adapter_config,
+    settings,
+)
+from ftcore.runtime import dist as rdist
+
+log = logging.getLogger("ftcore")
+
+# one of our adapter tensors: (layer, megatron linear, A|B, key)
+OUR_KEY = re.compile(
+    r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(linear_\w+)\.lora_([AB])\.(\w+)$"
+)
+
+
+def hf_key(layer: int, hf_module: str, ab: str) -> str:
+    return (
+        f"base_model.model.model.layers.{layer}.{HF_PARENT[hf_module]}.{hf_module}.lora_{ab}.weight"
+    )
+
+
+def gather_full(chunks, *, everywhere: bool = False) -> dict[str, torch.Tensor] | None:
+    """Full adapter tensors by global name, on world rank 0 (None elsewhere) or, with
+    `everywhere`, on every rank. Collective: every TP shard is gathered (not only TP rank 0's),
+    and every pipeline stage contributes its layers."""
+    tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+    lead = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    mine = {}
+    for name, p in iter_params(chunks):
+        if ".lora_" not in name:
+            continue
+        data = p.detach().to(rdist.comm_device(), torch.float32).contiguous()
+        shards = [data]
+        if tp > 1:
+            shards = [torch.empty_like(data) for _ in range(tp)]
+            dist.all_gather(shards, data, group=group)
+        if lead:
+            mine[name] = join_shards(shards, shard_info(name, p, tp)).cpu()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    if everywhere:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+    else:
+        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        if dist.get_rank() != 0:
+            return None
+    out = {}
+    for part in parts:
+        out.update(part)
+    return out
+
+
+def to_peft(full: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Our global names -> PEFT keys; returns (state dict, HF target modules in canonical order)."""
+    a_of: dict[tuple[int, str], torch.Tensor] = {}
+    b_of: dict[tuple[int, str], torch.Tensor] = {}
+    for name, t in full.items():
+        m = OUR_KEY.match(name)
+        if m is None:
+            raise ValueError(f"not an adapter tensor: {name}")
+        layer, module, ab, key = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        if ab == "A":
+            for s in SLICES[module] if key == module else (key,):
+                a_of[(layer, s)] = t
+        else:
+            b_of[(layer, key)] = t
+    sd, targets = {}, set()
+    for (layer, s), b in b_of.items():
+        sd[hf_key(layer, s, "A")] = a_of[(layer, s)].contiguous().clone()
+        sd[hf_key(layer, s, "B")] = b.contiguous()
+        targets.add(s)
+    order = [s for slices in SLICES.values() for s in slices]
+    return sd, sorted(targets, key=order.index)
+
+
+def lora_config(s: LoraSettings, targets: list[str], base: str | None):
+    from peft import LoraConfig  # lazy: the peft package imports transformers (seconds)
+
+    return LoraConfig(r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout,
+                      target_modules=targets, use_rslora=s.rslora, bias="none",
+                      task_type="CAUSAL_LM", base_model_name_or_path=base)  # fmt: skip
+
+
+def with_umask(root: Path) -> None:
+    """safetensors writes its files 0600 (a private temporary file, renamed into place): give
+    them the mode every other file gets under the user's umask, so a shared run directory stays
+    readable by those it is shared with."""
+    mask = os.umask(0)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    for f in root.rglob("*"):
+        if f.is_file():
+            f.chmod(0o666 & ~mask)
+
+
+def base_reference(cfg) -> str | None:
+    """The base that adapter_config.json names: the absolute path of the weights' directory (a
+    bare folder name would send PEFT to the Hub), or model.hf_path as given when it is not a
+    directory here (a Hub name)."""
+    if not (cfg.model.hf_path or cfg.model.init_path):
+        return None
+    path, _ = weights_source(cfg)
+    return str(path.resolve()) if path.is_dir() else str(cfg.model.hf_path)
+
+
+def save_adapter(
+    out_dir: Path, sd: dict[str, torch.Tensor], s: LoraSettings, targets: list[str], base
+) -> None:
+    """Write a PEFT adapter directory atomically (a temporary name, then rename)."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(sd, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
+    lora_config(s, targets, base).save_pretrained(str(tmp))
+    with_umask(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+
+
+def write_hf_adapter(state) -> Path | None:
+    """End of a LoRA run: `<run.dir>/hf_adapter/` in PEFT format (every rank calls this)."""
+    cfg = state.cfg
+    s = settings(cfg)
+    full = gather_full(state.model)
+    if full is None:
+        return None
+    out = Path(state.run_dir) / "hf_adapter"
+    sd, targets = to_peft(full)
+    save_adapter(out, sd, s, targets, base_reference(cfg))
+    log.info("wrote the adapter (%d tensors, PEFT format) to %s", len(sd), out)
+    return out
+
+
+def read_adapter(path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config, state dict) of a PEFT directory (safetensors, or a legacy .bin)."""
+    config = read_adapter_config(str(path))
+    f = adapter_file(path)
+    if f.name == ADAPTER_FILE:
+        return config, load_file(str(f))
+    return config, torch.load(f, map_location="cpu", weights_only=True)
+
+
+@torch.no_grad()
+def load_hf_adapter(chunks, s: LoraSettings, cfg) -> None:
+    """Copy a PEFT adapter's tensors into this rank's adapter shards; any mismatch with the base
+    (layers, shapes, missing modules) is an FtcoreError."""
+    field = "peft.adapter_path"
+    _, sd = read_adapter(s.adapter_path)
+    tensors = by_module(sd, field)
+    layers = {k[0] for k in tensors}
+    if layers and max(layers) >= cfg.model.num_layers:
+        raise FtcoreError(
+            f"the adapter has layers up to {max(layers)} but the model has {cfg.model.num_layers}: "
+            "it was trained on another base", field=field, fix="use the adapter with its own base model",
+        )  # fmt: skip
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    for name, p in iter_params(chunks):
+        m = OUR_KEY.match(name)
+        if m is None:
+            continue
+        layer, ab, key = int(m.group(1)), m.group(3), m.group(4)
+        full = tensors.get((layer, key, ab))
+        info = shard_info(name, p, tp)
+        if full is None:
+            raise FtcoreError(f"the adapter has no lora_{ab} for layer {layer} {key}", field=field,
+                              fix="use a complete adapter trained on this base")  # fmt: skip
+        if tuple(full.shape) != info.full_shape:
+            raise FtcoreError(
+                f"adapter tensor layers.{layer}.{key}.lora_{ab} has shape {tuple(full.shape)}, this "
+                f"model needs {info.full_shape}: the adapter was trained on another base",
+                field=field, fix="use the adapter with the base model it was trained on",
+            )  # fmt: skip
+        p.copy_(take_shard(full.float(), info, tp_rank, tp).to(p.dtype))

@@ -1,0 +1,71 @@
+"""The planner's fitted constants, per cluster: what a step gets of the hardware's rates, and the
+costs those rates do not explain.
+
+conf/cluster/*.yaml holds the hardware's facts (memory, datasheet peaks, bandwidths, topology).
+The numbers here are not facts but the fit of the time model (throughput.py) to measured steps,
+and two allowances set with that fit:
+
+- h100, h200: GEMMs at 0.62 of the dense peak, flash attention at 0.6 of the bf16 peak, fitted to
+  the published rows of NVIDIA's Megatron-Bridge performance summary (archive 26.06) and NeMo's
+  (24.07 container) on H100: llama3_70b LoRA on 8 (2643 tokens/s/GPU), llama3_70b SFT on 32
+  (1638), llama31_405b pretraining on 1024 (326), llama2_7b LoRA on 8 (24824). Each is predicted
+  within 15% (tests/unit/planner/test_throughput.py; within 5% when fitted). H200 has no published
+  row: it is the same Hopper GPU with more and faster HBM (its yaml), so H100's constants.
+- b200, gb200, gb300: 0.52 and 0.55, fitted to the one Blackwell row, llama3_70b LoRA on 8 GB200
+  (6206 tokens/s/GPU, Megatron-Bridge 26.06); B200 and GB300 have no published row and reuse it.
+- On every GPU cluster: 0.05 s per step (launch, Python) and a reserve per GPU for the CUDA
+  context, NCCL and cuBLAS/TE workspaces and allocator fragmentation (5 GiB Hopper, 6 GiB
+  Blackwell). Allowances, not measured one by one.
+- local_cpu: fitted on top of the host's own rates (host.py) to the nine layouts of the
+  `layouts_cpu` benchmark (2 workers, one thread each; refitted 2026-11-24 to the geometric mean
+  of two full runs and two runs of dp2/tp2/tp2-sp: every layout within 11% of it, each of the 22
+  runs within 0.81-1.20): GEMM efficiency 0.95, a host cost of 0.01 s per layer and micro-batch
+  (Python, autograd, megatron's per-layer work: it dominates a tiny model), 0.007 s more under
+  sequence parallelism (its gathers and scatters through gloo cost host time beyond their bytes:
+  tp2-sp ran 0.10-0.19 s per step longer than predicted without it), no per-step cost left once
+  the per-layer cost is counted, 0.3 GB/s for gloo over loopback (TP all-reduces, PP sends) in
+  place of NVLink, and a 0.5 GiB reserve. Attention runs at the GEMM efficiency on CPU.
+
+Every constant is still a `cluster.*` key: a value set in a cluster yaml or on the command line
+(`cluster.matmul_efficiency=0.5`) replaces the calibration's. A cluster with no calibration here
+gets DEFAULT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class Calibration:
+    matmul_efficiency: float = 0.7  # achievable fraction of the dense peak on large GEMMs
+    attention_efficiency: float = 0.5  # flash attention, fraction of the bf16 peak
+    step_overhead_s: float = 0.0  # fixed cost per step (launch, Python)
+    layer_overhead_s: float = 0.0  # host cost per layer and micro-batch (Python, autograd)
+    sp_layer_overhead_s: float = 0.0  # what sequence parallelism adds to it
+    reserve_gib: float = 0.0  # per GPU: CUDA context, NCCL/cuBLAS workspaces, fragmentation
+    nvlink_gbps: float = 0.0  # a fitted link rate where the link is no hardware (gloo)
+
+
+DEFAULT = Calibration()
+HOPPER = Calibration(0.62, 0.6, step_overhead_s=0.05, reserve_gib=5.0)
+BLACKWELL = Calibration(0.52, 0.55, step_overhead_s=0.05, reserve_gib=6.0)
+LOCAL_CPU = Calibration(0.95, 0.6, layer_overhead_s=0.01, sp_layer_overhead_s=0.007,
+                        reserve_gib=0.5, nvlink_gbps=0.3)  # fmt: skip
+
+CALIBRATIONS = {
+    "h100": HOPPER,
+    "h200": HOPPER,
+    "b200": BLACKWELL,
+    "gb200": BLACKWELL,
+    "gb300": BLACKWELL,
+    "local_cpu": LOCAL_CPU,
+}
+KEYS = tuple(f.name for f in fields(Calibration))  # each also a cluster.* key
+
+
+def of(cluster) -> Calibration:
+    """The constants the planner uses on `cluster` (a config section): the calibration of its
+    name, with every key the cluster sets (not null) in place of the fitted one."""
+    given = {k: v for k in KEYS if (v := getattr(cluster, k, None)) is not None}
+    return replace(CALIBRATIONS.get(cluster.name, DEFAULT), **given)
