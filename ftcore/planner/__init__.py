@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
 from ftcore.planner import throughput as _throughput
+from ftcore.planner.labels import labels
 from ftcore.planner.memory import GiB, StageMemory, all_stages, host_bytes
 from ftcore.planner.search import smallest_fit
 from ftcore.planner.view import view
@@ -139,7 +140,8 @@ def plan(cfg: DictConfig, world_size: int | None = None) -> dict:
         "tokens_per_s_per_gpu": speed["tokens_per_s_per_gpu"],
         "model_tflops_per_gpu": speed["model_tflops_per_gpu"],
         "mfu": speed["mfu"],
-        "mfu_basis": "model FLOPs / dense bf16 peak of the GPU",
+        "mfu_basis": speed["mfu_basis"],
+        "labels": labels(cfg),
         "step_time_s": speed["step_time_s"],
         "step_time_parts_s": {
             "compute": st.compute_s,

@@ -73,12 +73,17 @@ def probe() -> dict[str, float]:
     return rates
 
 
+def probes(cfg) -> bool:
+    """Whether the planner measures this host's rates for the cluster (a CPU cluster that asks)."""
+    c = cfg.cluster
+    return bool(getattr(c, "host_probe", False)) and c.device == "cpu"
+
+
 def measured(cfg):
     """The config with the cluster's peaks and bandwidth replaced by this host's, where it asks;
     otherwise the config as it is."""
     cfg = view(cfg)
-    c = cfg.cluster
-    if not getattr(c, "host_probe", False) or c.device != "cpu":
+    if not probes(cfg):
         return cfg
     rates = probe()
     peaks = {"fp32": rates["fp32"], "bf16": rates["bf16"]}

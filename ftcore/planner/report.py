@@ -38,6 +38,8 @@ def table(p: dict, ranked: list[dict] | None = None) -> str:
         f"speed: {p['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, {p['model_tflops_per_gpu']:.0f} model "
         f"TFLOP/s/GPU, MFU {100 * p['mfu']:.1f}% ({p['mfu_basis']}); step {p['step_time_s']:.2f} s = "
         + ", ".join(f"{k} {v:.3f}" for k, v in p["step_time_parts_s"].items() if v),
+        "what the numbers rest on:",
+        *(f"  {k.replace('_', ' ')}: {v}" for k, v in p["labels"].items()),
     ]
     if "dry_build" in p:
         lines += [

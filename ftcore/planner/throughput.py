@@ -11,8 +11,8 @@ interleaved pipeline bubble), plus the exposed pipeline sends, the data-parallel
 reduce-scatter / parameter all-gather, the optimizer's pass over its shard, and a fixed overhead.
 The constants are per GPU type; the fractions below are the same for every GPU. Calibrated once
 against tests/data/published_throughput.csv (tests/unit/planner/test_throughput.py). A CPU
-cluster with host_probe measures its peak and bandwidth on the host instead (host.py); MFU stays
-against the configured peak.
+cluster with host_probe measures its peak and bandwidth on the host instead (host.py), and MFU is
+taken against that measured peak.
 """
 
 from __future__ import annotations
@@ -158,16 +158,25 @@ def step_time(cfg: DictConfig, world: int) -> StepTime:
 
 
 def throughput(cfg: DictConfig, world: int) -> dict:
-    cfg = view(cfg)
+    """Tokens/s/GPU and MFU. MFU is taken against the peak the step time was computed with: a CPU
+    host's probed rate where it asks (host_probe), so it stays below the matmul efficiency (< 1)."""
+    cfg = host.measured(view(cfg))
     st = step_time(cfg, world)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     tps = tokens / st.total / world
     tflops = tps * model_flops_per_token(cfg) / 1e12
-    peak_bf16 = _peak(cfg, "bf16") / 1e12
+    if cfg.cluster.device == "cpu":  # a CPU computes in the run's own dtype (its bf16 may be slow)
+        dtype = _base_precision(cfg)
+        where = "this host's probed" if host.probes(cfg) else "the cluster's"
+        basis = f"model FLOPs / {where} {dtype} matmul rate (one thread)"
+    else:
+        dtype, basis = "bf16", "model FLOPs / dense bf16 peak of the GPU"
+    peak = _peak(cfg, dtype) / 1e12
     return {
         "step_time_s": st.total,
         "tokens_per_s_per_gpu": tps,
         "model_tflops_per_gpu": tflops,
-        "mfu": tflops / peak_bf16,
+        "mfu": tflops / peak,
+        "mfu_basis": basis,
         "time": st,
     }

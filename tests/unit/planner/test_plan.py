@@ -177,6 +177,28 @@ def test_search_rows_are_distinct_and_their_overrides_select_them():
     assert " sp " in text and ranked[0]["overrides"] in text
 
 
+def test_every_number_says_what_it_rests_on():
+    """Issue 31: measured, fitted or assumed, per kind of number; a borrowed calibration and a
+    constant the user set are named."""
+    b200 = planner.plan(compose(["+exp=405b_lora", "cluster=b200"]))["labels"]
+    assert b200["speed"].startswith("assumed:") and "GB200" in b200["speed"]
+    assert (
+        b200["activations"].startswith("assumed:")
+        and "not yet measured on a GPU" in b200["activations"]
+    )
+    assert b200["hardware_rates"] == "datasheet: conf/cluster/b200.yaml"
+    h100 = planner.plan(compose(["+exp=70b_fp8", "cluster=h100", "cluster.matmul_efficiency=0.5"]))
+    assert h100["labels"]["speed"].startswith("fitted:")
+    assert h100["labels"]["speed"].endswith("set by you: matmul_efficiency")
+    cpu = planner.plan(compose(["+exp=tiny_lora"]))["labels"]
+    assert cpu["activations"].startswith("measured:") and cpu["hardware_rates"].startswith(
+        "measured:"
+    )
+    assert all(
+        v.split(":")[0] in ("measured", "fitted", "assumed", "datasheet") for v in cpu.values()
+    )
+
+
 def test_lora_plan_agrees_with_the_peft_module():
     from ftcore.peft.config import plan_targets
 

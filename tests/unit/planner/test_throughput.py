@@ -132,7 +132,11 @@ def test_cpu_host_probe_replaces_the_configured_rates():
     )
     yaml = throughput(compose([*base, "cluster.host_probe=false"]), 2)
     assert yaml["step_time_s"] != pytest.approx(probed["step_time_s"], rel=1e-6)
-    assert yaml["mfu"] == pytest.approx(probed["mfu"] * probed["step_time_s"] / yaml["step_time_s"])
+    # MFU against the rate the step time used (the probed one, in the run's dtype): below 1
+    assert probed["mfu"] == pytest.approx(
+        throughput(compose([*base, *by_hand]), 2)["mfu"], rel=1e-12
+    )
+    assert 0 < probed["mfu"] < 1 and "probed fp32 matmul rate" in probed["mfu_basis"]
     # a GPU cluster's datasheet peak is never replaced
     gpu = ["+exp=70b_fp8", "cluster.host_probe=true"]
     assert (

@@ -1,0 +1,39 @@
+"""What each number of a plan rests on: measured, fitted, or assumed. A plan for hardware nobody
+here has run on is a prediction; the label says how far to trust each part of it."""
+
+from __future__ import annotations
+
+from ftcore.planner import calibration, host
+
+SPEED = {  # calibration.py says what each fit is to
+    "h100": "fitted: to the published H100 rows (tests/data/published_throughput.csv)",
+    "h200": "assumed: H100's fitted constants on H200's datasheet rates (no published H200 row)",
+    "gb200": "fitted: to the one published GB200 row",
+    "b200": "assumed: GB200's fitted constants on B200's datasheet rates (no published B200 row)",
+    "gb300": "assumed: GB200's fitted constants on GB300's datasheet rates (no published row)",
+    "local_cpu": "fitted: to the layouts_cpu benchmark (2 CPU workers, one thread each)",
+}
+
+
+def labels(cfg) -> dict[str, str]:
+    """One label per kind of number in the plan."""
+    c = cfg.cluster
+    gpu = c.device != "cpu"
+    speed = SPEED.get(c.name, "assumed: default constants (no calibration for this cluster)")
+    # nvlink_gbps is a datasheet fact on GPU clusters (fitted only for local_cpu): not an override
+    mine = [k for k in calibration.KEYS if k != "nvlink_gbps" and getattr(c, k, None) is not None]
+    if mine:
+        speed += f"; set by you: {', '.join(mine)}"
+    return {
+        "model_state": "measured: megatron's allocation per rank, equal to the byte (on CPU)",
+        "activations": "assumed: the CPU-measured accounting, not yet measured on a GPU"
+        if gpu
+        else "measured: within 10% of the tensors saved for backward (on CPU)",
+        "reserve": "assumed: an allowance for the CUDA context, NCCL and workspaces"
+        if gpu
+        else "fitted: with the layouts_cpu benchmark",
+        "hardware_rates": "measured: this host's probed matmul rate and bandwidth"
+        if host.probes(cfg)
+        else f"datasheet: conf/cluster/{c.name}.yaml",
+        "speed": speed,
+    }
