@@ -122,8 +122,11 @@ def test_package_points_only_inside_the_repository():
 
 @pytest.mark.slow
 def test_wheel_holds_every_module_and_config_file(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)  # fmt: skip
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                            "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True, text=True)  # fmt: skip
+    # every data folder is a listed package: no "Package would be ignored" per folder at install
+    assert "would be ignored" not in built.stdout + built.stderr
+    assert "absent from the `packages`" not in built.stdout + built.stderr
     (wheel,) = tmp_path.glob("ftcore-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     want = {str(p.relative_to(ROOT)) for p in PKG.rglob("*.py")}

@@ -199,6 +199,20 @@ def test_every_number_says_what_it_rests_on():
     )
 
 
+def test_plan_command_as_a_user_types_it():
+    """Issue 31 from the command line: the search table and the labels; CPU MFU below 1."""
+    r = plan_cli("+exp=70b_full", "plan.search=true")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    assert out.startswith("plan: llama3_70b full ") and "what the numbers rest on:" in out
+    assert "    tp  pp  vp  cp  dp  sp mbs" in out and "      parallel.tp=" in out
+    j = plan_cli("+exp=tiny_lora", "plan.format=json")
+    assert j.returncode == 0, j.stderr[-2000:]
+    p = json.loads(j.stdout)
+    assert 0 < p["mfu"] < 1 and "probed" in p["mfu_basis"]
+    assert set(p["labels"]) == {"model_state", "activations", "reserve", "hardware_rates", "speed"}
+
+
 def test_lora_plan_agrees_with_the_peft_module():
     from ftcore.peft.config import plan_targets
 
