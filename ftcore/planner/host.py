@@ -12,7 +12,11 @@ runs each. The whole sequence runs twice and each rate keeps its higher reading:
 can only slow a reading down, and a ~0.1 s burst of it (seen once in a layouts benchmark: fp32
 98 GFLOP/s between readings of 160) would otherwise set a run's prediction, while the VM's slow
 phases last minutes and show in both passes. It takes ~0.8 s, once per process (the layouts
-benchmark clears the cache to probe again before each run).
+benchmark clears the cache to probe again before each run). On a host without bf16 units one
+1024^3 bf16 matmul takes seconds (measured: 3 s, 0.7 GFLOP/s), and the probe took 53 s: there the
+rate is read on a smaller matmul, the largest power of two from 256 whose call stays under SLOW_S
+(256^3 read 1.8 GFLOP/s on that host: still 20x below its fp32 rate, which is what the planner
+needs to know), so the probe stays near a second everywhere.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ MATMUL_N = 1024
 ADD_ELEMS = 16 * 1024 * 1024  # 64 MiB of fp32
 TRIES = 7
 PASSES = 2
+SLOW_S = 0.1  # a matmul slower than this is read on a smaller size (the fp32 1024^3 one: ~0.02 s)
 
 
 def _median_s(fn, tries: int = TRIES) -> float:
@@ -40,14 +45,19 @@ def _median_s(fn, tries: int = TRIES) -> float:
 
 
 def _matmul_tflops(dtype) -> float:
+    """One thread's rate on an n^3 matmul, n = 1024 unless a call would take over SLOW_S there."""
     import torch  # lazy: the planner is part of the config checks, which run before torch loads
 
-    a, b = (
-        torch.randn(MATMUL_N, MATMUL_N, dtype=dtype),
-        torch.randn(MATMUL_N, MATMUL_N, dtype=dtype),
-    )
-    out = torch.empty(MATMUL_N, MATMUL_N, dtype=dtype)
-    return 2 * MATMUL_N**3 / _median_s(lambda: torch.mm(a, b, out=out)) / 1e12
+    n = MATMUL_N // 4
+    while True:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        out = torch.empty(n, n, dtype=dtype)
+        t = time.perf_counter()
+        torch.mm(a, b, out=out)
+        if n == MATMUL_N or 8 * (time.perf_counter() - t) > SLOW_S:  # the next size costs 8x
+            break
+        n *= 2
+    return 2 * n**3 / _median_s(lambda: torch.mm(a, b, out=out)) / 1e12
 
 
 @functools.cache
