@@ -92,49 +92,7 @@ def test_epochs_and_max_steps_together_are_refused(tmp_path):
     assert "train.epochs" in error_line(cli("train", "+exp=tiny_lora", "train.epochs=0"))
 
 
-# ---- the quick start: own JSONL -> adapter -> ftcore.generate -> PEFT ---------------------------
-
-
-def test_own_jsonl_to_an_adapter_peft_loads_by_its_base_name(tmp_path, monkeypatch):
-    """The quick start's recipe: train LoRA on one's own JSONL, generate with the adapter, load
-    it in PEFT from the adapter directory alone. adapter_config.json names the base by a path
-    that resolves (AutoPeftModel finds it without the Hub), and the files follow the umask."""
-    import json
-    import stat
-
-    data = own_jsonl(tmp_path / "mine.jsonl", 12)
-    run = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
-    cmd = [sys.executable, "-m", "ftcore.train", "+exp=tiny_lora", f"data.path={data}",
-           "train.epochs=1", "train.global_batch_size=4", "eval.interval=0",
-           "eval.accuracy=false", f"run.dir={run}"]  # fmt: skip
-    p = subprocess.run(["bash", "-c", 'umask 002 && exec "$@"', "-", *cmd], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert p.returncode == 0, p.stderr[-3000:]
-    adapter = run / "hf_adapter"
-    for f in adapter.iterdir():
-        assert stat.S_IMODE(f.stat().st_mode) == 0o664, f  # umask 002, not safetensors' 0600
-    base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
-    assert base == str((ROOT / "ftcore" / "assets" / "tiny_base").resolve())
-
-    f = tmp_path / "prompt.txt"
-    f.write_text("What is 3 + 3?\n")
-    gen = cli("generate", f"peft.adapter_path={adapter}", f"generate.prompt_file={f}",
-              "generate.max_new_tokens=4", f"run.dir={tmp_path / 'gen'}")  # fmt: skip
-    assert gen.returncode == 0 and gen.stdout.strip(), gen.stderr[-3000:]
-    assert "model.init_path=tiny_base" in gen.stderr  # the bundled base, recognised by its path
-
-    import torch
-    from peft import AutoPeftModelForCausalLM, PeftModel
-    from transformers import AutoModelForCausalLM
-
-    monkeypatch.setenv(
-        "HF_HUB_OFFLINE", "1"
-    )  # a name that does not resolve must fail, not download
-    alone = AutoPeftModelForCausalLM.from_pretrained(str(adapter))
-    on_base = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(adapter))
-    ids = torch.tensor([[1, 2, 3, 4]])
-    assert torch.equal(alone(ids).logits, on_base(ids).logits)
+# ---- the quick start itself (own JSONL -> adapter -> generate -> PEFT): test_readme.py -----------
 
 
 def test_the_documented_quoting_keeps_commas_and_apostrophes():
