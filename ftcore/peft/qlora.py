@@ -64,7 +64,12 @@ class NF4ParallelLinear(nn.Module):
         if tuple(w.shape) != self.shape:
             raise RuntimeError(f"NF4 linear of shape {self.shape} handed {tuple(w.shape)}")
         placeholder = self._parameters.pop("weight")
-        packed, self.quant_state = _bnb().quantize_4bit(
+        bnbf = _bnb()
+        if w.is_meta and self.double_quant and "dynamic" not in bnbf.name2qmap:
+            # bitsandbytes caches the code table of double quantisation on the device of the first
+            # tensor it sees: made on meta (a dry build) it would break every later real one
+            bnbf.name2qmap["dynamic"] = bnbf.create_dynamic_map()
+        packed, self.quant_state = bnbf.quantize_4bit(
             w.contiguous(), blocksize=BLOCKSIZE, compress_statistics=self.double_quant,
             quant_type="nf4",
         )  # fmt: skip

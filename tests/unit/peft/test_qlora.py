@@ -54,3 +54,23 @@ def test_random_qlora_base_keeps_megatrons_linears_until_apply_peft(runtime):  #
 
     chunks = build_model(compose([*QLORA, "model.init_path=null"]))
     assert all(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in _linears(chunks))
+
+
+def test_a_dry_build_on_meta_leaves_later_quantisation_working(monkeypatch):
+    """A dry build quantises on the meta device first (ftcore.plan plan.dry_build=true); a real
+    quantisation afterwards in the same process still works and round-trips."""
+    import bitsandbytes.functional as bnbf
+
+    from ftcore.peft.qlora import NF4ParallelLinear
+
+    monkeypatch.delitem(bnbf.name2qmap, "dynamic", raising=False)  # as in a fresh process
+    meta = NF4ParallelLinear(
+        (64, 128), torch.float32, "meta", column=True, sp=False, double_quant=True
+    )
+    meta.quantize_(torch.empty(64, 128, device="meta"))
+    real = NF4ParallelLinear(
+        (64, 128), torch.float32, "cpu", column=True, sp=False, double_quant=True
+    )
+    w = torch.randn(64, 128)
+    real.quantize_(w)
+    assert (real.weight_fp() - w).abs().max() < 0.25 * w.abs().max()  # NF4's error, not garbage
