@@ -7,6 +7,8 @@ import warnings
 
 import pytest
 
+from tests.support.cli import LAUNCHER_ENV
+
 os.environ.setdefault("FTCORE_LOG_LEVEL", "WARNING")
 warnings.filterwarnings("ignore")
 
@@ -20,16 +22,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-LAUNCHER_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
 
 
 @pytest.fixture(autouse=True)

@@ -16,6 +16,7 @@ from ftcore.checkpoint import store
 from ftcore.models.sharding import iter_params
 from ftcore.runtime.dist import free_port
 from ftcore.training import trainer
+from tests.support.cli import LAUNCHER_ENV
 from tests.support.layouts import build
 from tests.support.tiny import TINY
 
@@ -83,14 +84,7 @@ class Workers:
             f"run.dir={run_dir}",
         ]
         base = dict(os.environ, FTCORE_LOG_LEVEL="INFO", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        for k in (
-            "RANK",
-            "WORLD_SIZE",
-            "LOCAL_RANK",
-            "LOCAL_WORLD_SIZE",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-        ):
+        for k in LAUNCHER_ENV:
             base.pop(k, None)
         self.log = open(log, "a")  # noqa: SIM115 - closed in wait()
         self.t0 = time.time()

@@ -7,6 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+# What makes a process take itself for a launched rank (tests start theirs without them).
+LAUNCHER_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 ROOT = Path(__file__).resolve().parents[2]
 
 
