@@ -3,11 +3,11 @@ data pipeline on every rank of a node, and print the file size, token count, wal
 rank's peak resident memory. Run once by hand (not part of the test suite), e.g.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tools/data_scale_probe.py \
-        --dir SCRATCH --gb 1.0
+        --dir SCRATCH --gb 2.0
 
 Rank 0 writes SCRATCH/data.jsonl (synthetic instruction records with long answers) and the
-tokenization cache SCRATCH/cache/, built by ftcore.data.tokenized (local rank 0 tokenizes while
-the other rank waits, then both memory-map the cache); then every rank builds its train loader and
+tokenization cache SCRATCH/cache/, built by ftcore.data.tokenized (local rank 0 tokenizes with a
+pool of `--workers` processes while the other rank waits, then both memory-map the cache); then every rank builds its train loader and
 assembles a few steps of packed micro-batches. Peak RSS (VmHWM) counts the cache pages a rank
 touched too. `--keep` keeps the data; by default SCRATCH/data.jsonl and SCRATCH/cache/ are
 deleted at the end.
@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import random
+import resource
 import shutil
 import sys
 import time
@@ -66,6 +67,7 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=1.0, help="size of the generated file, in 1e9 B")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=3, help="steps of micro-batches to assemble")
+    ap.add_argument("--workers", type=int, default=0, help="data.tokenize_workers (0 = auto)")
     ap.add_argument("--keep", action="store_true", help="keep the generated data and cache")
     args = ap.parse_args()
 
@@ -91,7 +93,7 @@ def main() -> None:
 
     cfg = compose([f"data.path={data}", f"data.cache_dir={cache}", f"data.seq_len={args.seq_len}",
                    "data.packing=true", f"train.global_batch_size={2 * world}",
-                   "train.micro_batch_size=1"])  # fmt: skip
+                   "train.micro_batch_size=1", f"data.tokenize_workers={args.workers}"])  # fmt: skip
     tok = load_tokenizer(cfg)
     before = mem()
     reset_peak()
@@ -116,6 +118,10 @@ def main() -> None:
         "peak_rss_mb": round(end["VmHWM"] / 2**20, 1),
         "end_rss_anon_mb": round(end["RssAnon"] / 2**20, 1),
         "end_rss_file_mb": round(end["RssFile"] / 2**20, 1),
+        # the largest tokenizing worker (render_pool.py), once the pool has exited
+        "peak_rss_worker_mb": round(
+            resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1
+        ),
         "samples": loader.report["samples"],
         "rows": loader.report["rows"],
     }

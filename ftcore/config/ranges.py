@@ -101,6 +101,7 @@ RANGES: dict[str, Range] = {
     "data.seq_len": Range(2),
     "data.val_fraction": Range(0, 1, hi_open=True),
     "data.max_samples": AT_LEAST_1,
+    "data.tokenize_workers": AT_LEAST_0,
     "data.mix[].weight": POSITIVE,
     "cluster.num_gpus": AT_LEAST_1,
     "cluster.gpus_per_node": AT_LEAST_1,

@@ -24,6 +24,9 @@ class RecordError(ValueError):
         self.where = where
         super().__init__(message)
 
+    def __reduce__(self):  # crosses to the tokenizing workers (render_pool.py) and back
+        return RecordError, (self.where, str(self))
+
 
 def resolve(path: str, field: str = "data.path") -> list[Path] | str:
     """A data path as its list of files, or a dataset name for the Hugging Face cache."""

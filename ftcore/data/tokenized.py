@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ftcore.data import sources, token_cache
+from ftcore.data import render_pool, sources, token_cache
 from ftcore.data.templates import BadRecord, Doc, Renderer
 from ftcore.errors import FtcoreError
 
@@ -118,23 +118,23 @@ def tokenizer_fingerprint(tok) -> str:
 
 
 def _build(
-    files, renderer: Renderer, on_bad: str, max_samples: int | None, entry: Path, key: str
-) -> Tokenized:
-    """Tokenize the records one at a time into a new cache entry; the entry, memory-mapped."""
+    files, renderer: Renderer, on_bad: str, max_samples: int | None, entry: Path, key: str,
+    workers: int = 1,
+) -> Tokenized:  # fmt: skip
+    """Tokenize the records into a new cache entry, in record order (render_pool.py: by `workers`
+    processes); the entry, memory-mapped."""
     try:
         writer = token_cache.Writer(entry, key)
     except OSError as e:
         raise _unwritable(entry, e) from None
     bad, examples = 0, []
+    docs = render_pool.rendered(sources.iter_records(files), renderer, workers)
     try:
-        for where, rec in sources.iter_records(files):
+        for where, doc in docs:
             if max_samples is not None and writer.docs >= max_samples:
                 break
-            try:
-                if isinstance(rec, Exception):
-                    raise rec
-                doc = renderer.doc(rec)
-            except (BadRecord, sources.RecordError) as e:
+            if isinstance(doc, (BadRecord, sources.RecordError)):
+                e = doc
                 if on_bad != "skip":
                     raise FtcoreError(
                         f"{where}: {e}",
@@ -160,6 +160,8 @@ def _build(
     except BaseException:
         writer.abort()
         raise
+    finally:
+        docs.close()  # stops the worker pool when max_samples or an error ends the loop early
     out = _load(entry, key)
     if out is None:
         raise _unwritable(entry, OSError("the entry written cannot be read back"))
@@ -199,10 +201,11 @@ def tokenize_source(
     fmt = fmt or data_cfg.format
     files = sources.resolve(path, field)
     renderer = Renderer(tokenizer, fmt, data_cfg.chat_template, data_cfg.train_on_prompt)
+    described = sources.describe(files)
     key = json.dumps(
         [
             CACHE_VERSION,
-            sources.describe(files),
+            described,
             tokenizer_fingerprint(tokenizer),
             fmt,
             renderer.template,
@@ -214,7 +217,11 @@ def tokenize_source(
     digest = hashlib.sha256(key.encode()).hexdigest()[:32]
     cache_dir = Path(data_cfg.cache_dir).expanduser() if data_cfg.cache_dir else default_cache_dir()
     entry = cache_dir / f"{digest}{token_cache.SUFFIX}"
-    args = (files, renderer, data_cfg.on_bad_record, data_cfg.max_samples, entry, key)
+    # the worker count changes how fast the entry is built, never what it holds: not in the key
+    workers = render_pool.choose_workers(
+        int(getattr(data_cfg, "tokenize_workers", 0) or 0), sum(d[1] for d in described)
+    )
+    args = (files, renderer, data_cfg.on_bad_record, data_cfg.max_samples, entry, key, workers)
     dist = _dist()
     rank = dist.get_rank() if dist else 0
     local_rank = int(os.environ.get("LOCAL_RANK", rank)) if dist else 0

@@ -157,3 +157,42 @@ def test_resident_memory_does_not_grow_with_the_data(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["bytes"] > 3e6 and out["tokens"] > 1e6, out
     assert out["growth"] < out["tokens"] * 8 / 8, out
+
+
+def mixed_records(path: Path, n: int = 700) -> Path:
+    """Instruction records over several pool chunks, with bad ones: an answer that is not a
+    string (BadRecord) and a line that is not JSON (RecordError)."""
+    lines = []
+    for i in range(n):
+        out = 3 if i % 97 == 5 else " ".join(["answer"] * (i % 13)) + f" {i}"
+        lines.append(json.dumps({"instruction": f"Question {i}?", "output": out}))
+    lines[250] = '{"instruction": "cut'
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_worker_pool_builds_the_same_entry_byte_for_byte(tmp_path, tok):
+    data = mixed_records(tmp_path / "d.jsonl")
+    built = {}
+    for workers in (1, 2):
+        cache = tmp_path / f"cache{workers}"
+        cfg = compose([f"data.path={data}", f"data.cache_dir={cache}", "data.on_bad_record=skip",
+                       "data.max_samples=650", f"data.tokenize_workers={workers}"])  # fmt: skip
+        t = tokenized.tokenize_source(str(data), tok, cfg.data)
+        (entry,) = cache.glob(f"*{token_cache.SUFFIX}")
+        built[workers] = {f.name: f.read_bytes() for f in sorted(entry.iterdir())}
+        assert len(t) == 650 and t.bad_records == 8  # 7 BadRecords and one line before doc 650
+    assert built[1] == built[2]
+    bad = compose([f"data.path={data}", f"data.cache_dir={tmp_path / 'c3'}",
+                   "data.tokenize_workers=2"])  # fmt: skip
+    with pytest.raises(FtcoreError, match=f"{data}:6: "):  # the first bad record, as in-process
+        tokenized.tokenize_source(str(data), tok, bad.data)
+    assert not any((tmp_path / "c3").glob(f"*{token_cache.SUFFIX}"))
+
+
+def test_worker_count():
+    from ftcore.data.render_pool import AUTO_MIN_BYTES, choose_workers, usable_cpus
+
+    assert choose_workers(3, None) == 3 and choose_workers(1, 10 << 30) == 1
+    assert choose_workers(0, AUTO_MIN_BYTES - 1) == 1 and choose_workers(0, None) == 1
+    assert choose_workers(0, AUTO_MIN_BYTES) == min(usable_cpus(), 32)
