@@ -108,8 +108,8 @@ def check_sequence(cfg: DictConfig) -> None:
             f"seq_len={s} is beyond the {m.max_position_embeddings} positions of model "
             f"{m.name} (model.max_position_embeddings)",
             field="data.seq_len",
-            fix=f"use data.seq_len<={m.max_position_embeddings}, or a long-context model "
-            "(model=llama31_70b: 131072 positions with Llama 3.1's RoPE scaling)",
+            fix=f"use data.seq_len<={m.max_position_embeddings}, or a model with more positions "
+            "(e.g. model=llama31_70b: 131072, with Llama 3.1's RoPE scaling)",
         )
     comm = cp.comm_type(p)
     problem = cp.layout_problem(m, p.tp, p.cp, comm)

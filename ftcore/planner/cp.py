@@ -64,7 +64,7 @@ def layout_problem(model, tp: int, cp: int, comm: str) -> tuple[str, str, str] |
         return (
             "parallel.cp_comm_type",
             f"a2a shards heads over cp={cp}, but a TP rank has {heads} heads and {groups} kv groups",
-            "use cp_comm_type=p2p or all_gather, or a cp that divides both",
+            "use parallel.cp_comm_type=p2p or all_gather, or a cp that divides both",
         )
     return None
 
