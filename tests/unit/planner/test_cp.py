@@ -35,7 +35,8 @@ def test_70b_lora_128k_fits_with_context_parallelism_as_typed():
     r = plan_cli(*LONG, "plan.format=json")
     assert r.returncode == 0, r.stderr[-2000:]
     p = json.loads(r.stdout)
-    assert p["fits"] and p["layout"]["cp"] > 1 and p["layout"]["seq_len"] == 131072
+    lay = p["layout"]
+    assert p["fits"] and lay["cp"] > 1 and lay["seq_len"] == 131072 and lay["cp_comm_type"] == "p2p"
     assert p["gpus_needed"] == p["num_gpus"] == 4 and p["cluster"] == "b200"
     half = replace(view(compose(LONG)), cluster={"num_gpus": 2})
     assert not any(search.fits(search._with(half, **lay), 2)[0] for lay in search.layouts(half, 2))
