@@ -81,6 +81,7 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
     picks = p.cp == 1  # models/target_logits.py: applies(); the last MLP not under SP
     mlp_picks = picks and not p.sp and p.recompute != "full" and not quant
     targets_frac = min(1.0, float(cfg.plan.target_fraction)) if picks else 1.0
+    comm = cp.comm_type(p) if te else "all_gather"  # the CPU runtime's one CP attention
     return Shape(
         s=cfg.data.seq_len,
         sl=cfg.data.seq_len // p.cp,
@@ -108,8 +109,8 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
         # SdpaAttention serves the rows only when they are at most half the slots (attention.py)
         attn_picks=mlp_picks and not te and p.recompute == "none" and 2 * targets_frac <= 1.0,
         cp=p.cp,
-        cp_comm=cp.comm_type(p),
-        a2a=cp.a2a_size(m, p.tp, p.cp, cp.comm_type(p), cfg.cluster.nvlink_domain or 1),
+        cp_comm=comm,
+        a2a=cp.a2a_size(m, p.tp, p.cp, comm, cfg.cluster.nvlink_domain or 1),
     )
 
 

@@ -14,6 +14,7 @@ the other ranks reach a rank's queries is `parallel.cp_comm_type` (Transformer E
 - a2a (Ulysses): all-to-all of q, k, v (sequence shards -> head shards) and of the output, both
   ways; the heads and kv groups of a TP rank must divide by cp.
 - a2a+p2p: a2a inside groups of `a2a_size` consecutive CP ranks, the p2p ring across them.
+The CPU runtime has one CP attention, an all-gather whatever the key says (activations.shape_of).
 These rules are validation's too (config/checks.py) and the layout search's (search.py).
 """
 
@@ -121,8 +122,9 @@ def exposed_s(sh, attn_s: tuple[float, float], link, recompute_full: bool) -> fl
         bwd += (ring - 1) * max(0.0, 2 * kv / bw - attn_s[1] / ring)
     if comm == "all_gather":  # gather (forward, backward), reduce-scatter dK/dV: not overlapped
         bw = link(sh.tp * cp)
+        regather = sh.impl != "local"  # the CPU's autograd gather keeps K/V: no second gather
         fwd += (cp - 1) * kv / bw
-        bwd += 2 * (cp - 1) * kv / bw
+        bwd += (1 + regather) * (cp - 1) * kv / bw
     if sh.a2a > 1:  # q, k, v in and the output back; their gradients the other way
         n = sh.a2a
         vol = (n - 1) / n * sh.tokens * (2 * sh.q + 2 * sh.kv) / sh.tp * sh.ab

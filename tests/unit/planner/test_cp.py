@@ -48,7 +48,8 @@ def test_te_saves_only_the_local_chunk_and_cpu_the_gathered_kv(base):
     short = _shape(base, cp=1, seq_len=32768)
     for comm in cp.COMM_TYPES[:3]:
         assert act.layer_parts(_shape(base, cp=4, cp_comm_type=comm)) == act.layer_parts(short)
-    sh = act.shape_of(compose(["+exp=tiny_full", "parallel.cp=2"]))
+    sh = act.shape_of(compose(["+exp=tiny_full", "parallel.cp=2", "parallel.cp_comm_type=a2a"]))
+    assert (sh.impl, sh.cp_comm) == ("local", "all_gather")  # the CPU's one CP attention
     kv_whole = sh.b * sh.s * 2 * sh.kv * sh.ab
     q_local = sh.tokens * sh.q * sh.ab
     assert act.layer_parts(sh)["core_attn"] == q_local + kv_whole + act._sdpa(sh)
