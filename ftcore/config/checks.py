@@ -118,9 +118,10 @@ def check_sequence(cfg: DictConfig) -> None:
         raise FtcoreError(what, field=field, fix=fix)
     mult = cp.seq_multiple(p.tp, bool(p.sp), p.cp)
     if s % mult:
-        cut = "2*cp chunks" + (", each split over tp (sp)" if p.sp else "") if p.cp > 1 else ""
+        why = "2*cp chunks" if p.cp > 1 else "an even length"
+        why += ", each split over tp under sp" if p.sp else ""
         raise FtcoreError(
-            f"seq_len={s} must divide by {mult} (" + (cut or "tp under sp, and 2") + ")",
+            f"seq_len={s} must divide by {mult} ({why})",
             field="data.seq_len",
             fix=f"use a multiple of {mult}",
         )
