@@ -19,6 +19,7 @@ from ftcore.errors import FtcoreError
 
 def task(cfg: DictConfig) -> int:
     from ftcore import planner
+    from ftcore.config.checks import check_sequence
     from ftcore.config.ranges import check_ranges
     from ftcore.planner.layers import split_layers
     from ftcore.planner.report import table
@@ -32,6 +33,7 @@ def task(cfg: DictConfig) -> int:
         )
     p = cfg.parallel
     split_layers(cfg.model.num_layers, p.pp, p.vp)
+    check_sequence(cfg)  # within the model's positions, cut the way the layout can (cp.py)
     world = planner.world_of(cfg)
     if world % (p.tp * p.pp * p.cp):
         raise FtcoreError(

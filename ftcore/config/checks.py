@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from ftcore.config.ranges import check_ranges
 from ftcore.errors import FtcoreError
+from ftcore.planner import cp
 from ftcore.planner.layers import split_layers
 
 CHOICES = {
@@ -22,6 +23,7 @@ CHOICES = {
     "logger.wandb.mode": ("disabled", "offline", "online"),
     "checkpoint.resume": None,  # auto | never | PATH
     "plan.format": ("table", "json"),
+    "parallel.cp_comm_type": cp.COMM_TYPES,
 }
 
 
@@ -82,11 +84,7 @@ def check_divisibility(cfg: DictConfig) -> None:
             fix="set parallel.tp>1 or parallel.sp=false",
         )
     split_layers(m.num_layers, p.pp, p.vp)
-    if cfg.data.seq_len % (p.tp if p.sp else 1) or cfg.data.seq_len % (2 * p.cp):
-        raise FtcoreError(
-            f"seq_len={cfg.data.seq_len} must divide by tp (with sp) and by 2*cp",
-            field="data.seq_len",
-        )
+    check_sequence(cfg)
     if cfg.data.packing and cfg.cluster.device == "cuda" and t.micro_batch_size != 1:
         raise FtcoreError(
             "packed sequences go to Transformer Engine as one THD row per micro-batch",
@@ -98,6 +96,34 @@ def check_divisibility(cfg: DictConfig) -> None:
             f"global_batch_size={t.global_batch_size} is not divisible by micro_batch_size={t.micro_batch_size}",
             field="train.global_batch_size",
             fix="make train.global_batch_size a multiple of train.micro_batch_size",
+        )
+
+
+def check_sequence(cfg: DictConfig) -> None:
+    """data.seq_len within the model's positions and divisible the way the layout cuts it; a
+    context-parallel layout TE accepts (planner/cp.py: the layout search applies the same rules)."""
+    m, p, s = cfg.model, cfg.parallel, cfg.data.seq_len
+    if s > m.max_position_embeddings:
+        raise FtcoreError(
+            f"seq_len={s} is beyond the {m.max_position_embeddings} positions of model "
+            f"{m.name} (model.max_position_embeddings)",
+            field="data.seq_len",
+            fix=f"use data.seq_len<={m.max_position_embeddings}, or a model with more positions "
+            "(e.g. model=llama31_70b: 131072, with Llama 3.1's RoPE scaling)",
+        )
+    comm = cp.comm_type(p)
+    problem = cp.layout_problem(m, p.tp, p.cp, comm)
+    if problem:
+        field, what, fix = problem
+        raise FtcoreError(what, field=field, fix=fix)
+    mult = cp.seq_multiple(p.tp, bool(p.sp), p.cp)
+    if s % mult:
+        why = "2*cp chunks" if p.cp > 1 else "an even length"
+        why += ", each split over tp under sp" if p.sp else ""
+        raise FtcoreError(
+            f"seq_len={s} must divide by {mult} ({why})",
+            field="data.seq_len",
+            fix=f"use a multiple of {mult}",
         )
 
 

@@ -93,6 +93,7 @@ class ParallelConfig:
     pp: int = 1
     vp: int = 1  # virtual stages per pipeline rank (1 = no interleaving)
     cp: int = 1
+    cp_comm_type: str = "p2p"  # p2p | all_gather | a2a | a2a+p2p (TE's KV exchange under cp > 1)
     sp: bool = False  # sequence parallel, only with tp > 1
     distributed_optimizer: bool = False
     recompute: str = "none"  # none | selective | full

@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
 from ftcore.planner import throughput as _throughput
+from ftcore.planner.cp import comm_type as cp_comm_type
 from ftcore.planner.labels import labels
 from ftcore.planner.memory import GiB, StageMemory, all_stages, host_bytes
 from ftcore.planner.search import smallest_fit
@@ -114,6 +115,7 @@ def plan(cfg: DictConfig, world_size: int | None = None) -> dict:
             "pp": p.pp,
             "vp": p.vp,
             "cp": p.cp,
+            "cp_comm_type": cp_comm_type(p),
             "dp": world // (p.tp * p.pp * p.cp),
             "sp": bool(p.sp),
             "distributed_optimizer": bool(p.distributed_optimizer),

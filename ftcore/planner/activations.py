@@ -5,6 +5,8 @@ Two implementations are modelled, because they save different tensors:
 - `local`: megatron's local layer spec (CPU runs) with torch SDPA as core attention (no
   [b, heads, s, s] softmax kept, but an additive mask per layer), ftcore's RMSNorm and SwiGLU
   functions (input and rstd; fc1 output and silu(gate)), frozen linears keep no input.
+  Under context parallelism its attention all-gathers K and V: SDPA keeps them for the whole
+  sequence, per layer.
 - `te`: Transformer Engine's spec (GPU runs): flash attention (q, k, v, output, logsumexp), fused
   LayerNorm-Linear (input, rstd, normed output), fused SwiGLU (its input); FP8 linears keep their
   inputs quantized (1 byte).
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from ftcore.planner import cp
 from ftcore.planner.layers import split_layers
 from ftcore.planner.params import lora_plan, padded_vocab
 
@@ -52,6 +55,9 @@ class Shape:
     targets_frac: float = 1.0  # positions the last stage computes logits at (target_logits.py)
     mlp_picks: bool = False  # the last layer's MLP runs at those positions only
     attn_picks: bool = False  # and its attention's queries and output projection (local spec)
+    cp: int = 1
+    cp_comm: str = "p2p"  # parallel.cp_comm_type (cp.py)
+    a2a: int = 1  # CP ranks one all-to-all spans
 
     @property
     def target_tokens(self) -> int:
@@ -75,6 +81,7 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
     picks = p.cp == 1  # models/target_logits.py: applies(); the last MLP not under SP
     mlp_picks = picks and not p.sp and p.recompute != "full" and not quant
     targets_frac = min(1.0, float(cfg.plan.target_fraction)) if picks else 1.0
+    comm = cp.comm_type(p) if te else "all_gather"  # the CPU runtime's one CP attention
     return Shape(
         s=cfg.data.seq_len,
         sl=cfg.data.seq_len // p.cp,
@@ -101,6 +108,9 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
         mlp_picks=mlp_picks,
         # SdpaAttention serves the rows only when they are at most half the slots (attention.py)
         attn_picks=mlp_picks and not te and p.recompute == "none" and 2 * targets_frac <= 1.0,
+        cp=p.cp,
+        cp_comm=comm,
+        a2a=cp.a2a_size(m, p.tp, p.cp, comm, cfg.cluster.nvlink_domain or 1),
     )
 
 
@@ -125,6 +135,8 @@ def layer_parts(sh: Shape) -> dict[str, int]:
         # output) as they are, its output, the fp32 logsumexp and the mask as an additive
         # [b, 1, s, s] tensor in the activation dtype.
         qkv_saved = T * (sh.q + sh.kv) // t * ab + T * (sh.q + 2 * sh.kv) // t * ab
+        if sh.cp > 1:  # all-gather attention: the rotated local queries, K/V of the whole sequence
+            qkv_saved = T * sh.q // t * ab + sh.b * sh.s * 2 * sh.kv // t * ab
         parts["core_attn"] = qkv_saved + (0 if sh.recompute == "selective" else _sdpa(sh))
         parts["proj"] = T * sh.q // t * ab if _keeps_input(sh, "linear_proj") else 0
         parts["mlp_norm"] = norm

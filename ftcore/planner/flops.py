@@ -44,6 +44,17 @@ def model_flops_per_token(cfg: DictConfig) -> float:
     return 6.0 * n_prime(cfg) + attention_flops_per_token(cfg)
 
 
+def attention_forward_flops(cfg: DictConfig) -> float:
+    """One layer's causal attention forward on one GPU, one micro-batch: its seq_len/cp queries
+    (2*cp load-balanced chunks) against keys over half the sequence on average, its heads/tp. The
+    CPU's local spec computes every score, masked: twice that."""
+    m, p = cfg.model, cfg.parallel
+    d = m.kv_channels or m.hidden_size // m.num_attention_heads
+    tokens = cfg.data.seq_len // p.cp * cfg.train.micro_batch_size
+    fwd = 2.0 * tokens * cfg.data.seq_len * m.num_attention_heads * d / p.tp
+    return fwd * (2 if cfg.cluster.device == "cpu" else 1)
+
+
 @dataclass
 class Work:
     """FLOPs one GPU of a pipeline rank executes for one micro-batch."""
@@ -81,10 +92,7 @@ def micro_batch_work(cfg: DictConfig, pp_rank: int) -> Work:
             else:
                 w.gemm_base += flops
     w.gemm_base += 2.0 * tokens * adapters * (3 + recompute_fwd) * w.layers
-    d = m.kv_channels or m.hidden_size // m.num_attention_heads
-    fwd = 2.0 * tokens * cfg.data.seq_len * m.num_attention_heads * d / tp
-    if cfg.cluster.device == "cpu":
-        fwd *= 2  # the local spec computes the full s x s scores, masked
+    fwd = attention_forward_flops(cfg)
     w.attention = fwd * (1 + FLASH_BWD + (1 if p.recompute != "none" else 0)) * w.layers
     if pp_rank == p.pp - 1:
         # logits and the last layer's MLP (and attention's queries on, where it picks) at the

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from ftcore.planner import activations as act
-from ftcore.planner import calibration
+from ftcore.planner import calibration, cp
 from ftcore.planner.layers import split_layers
 from ftcore.planner.params import Param, init_method, linear_shapes, padded_vocab, rank_params
 from ftcore.planner.view import view
@@ -221,12 +221,15 @@ def stage_memory(
         received = inputs - (1 if pp_rank == 0 and inputs else 0)
         pipe = boundary * (received if sh.ab != 4 and sh.recompute != "full" else 0)
         pipe += boundary * (inputs - (1 if last and inputs else 0))
-    # The boolean [b, 1, s, s] causal/segment mask of each in-flight micro-batch (local attention).
-    mask = sh.b * sh.s * sh.s * max(inputs, 1) if sh.impl == "local" else 0
-    # The loss (forward) and a recomputed layer (backward) peak at different times.
+    # The boolean [b, 1, s/cp, s] causal/segment mask of each in-flight micro-batch (local
+    # attention: a CP rank's query rows against every key).
+    mask = sh.b * sh.sl * sh.s * max(inputs, 1) if sh.impl == "local" else 0
+    # The loss (forward) and a recomputed layer with its CP attention's buffers (backward) peak
+    # at different times.
     logits = act.logits_transient(sh) if last else 0
     recompute = act.recompute_transient(sh)
-    activations = saved + pipe + mask + max(loss + logits, recompute)
+    cp_buffers = cp.transient_bytes(sh)
+    activations = saved + pipe + mask + max(loss + logits, recompute + cp_buffers)
     return StageMemory(
         pp_rank=pp_rank,
         layers=sum(split[pp_rank]),
@@ -250,6 +253,7 @@ def stage_memory(
             masks=mask,
             logits_transient=logits,
             recompute_transient=recompute,
+            cp_transient=cp_buffers,
             elements=state["elements"],
         ),
     )

@@ -2,8 +2,10 @@
 
 Candidates respect what megatron and ftcore's validation accept: tp divides heads, kv groups and
 the ffn and stays inside one NVLink domain; the layers split over pp*vp (evenly or the megatron
-way); cp halves the sequence into 2*cp chunks; the global batch divides by micro batch x dp, and
-the interleaved schedule gets a multiple of pp micro-batches.
+way); cp cuts the sequence into 2*cp chunks (each split over tp under sp) with each KV exchange TE
+accepts for the model's heads (cp.py, the rules validation applies; GPU only: the CPU runtime's
+CP attention is not searched); the global batch divides by micro batch x dp, and the interleaved
+schedule gets a multiple of pp micro-batches.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
+from ftcore.planner import cp as cp_rules
 from ftcore.planner.layers import split_layers
 from ftcore.planner.memory import GiB, all_stages
 from ftcore.planner.throughput import throughput
@@ -40,6 +43,19 @@ def _tp_options(cfg: DictConfig) -> list[int]:
     ]
 
 
+def _cp_options(cfg: DictConfig, tp: int) -> list[tuple[int, str | None]]:
+    """(cp, cp_comm_type) pairs validation accepts for this tp (with sp when tp > 1): the same
+    rules as config/checks.py's check_sequence (planner/cp.py). cp=1 keeps the config's type."""
+    out: list[tuple[int, str | None]] = [(1, None)]
+    for c in (2, 4, 8, 16):
+        if cfg.data.seq_len % cp_rules.seq_multiple(tp, tp > 1, c):
+            continue
+        out += [
+            (c, k) for k in cp_rules.SEARCHED if not cp_rules.layout_problem(cfg.model, tp, c, k)
+        ]
+    return out
+
+
 def _splits(num_layers: int, pp: int, vp: int) -> bool:
     try:
         split_layers(num_layers, pp, vp)
@@ -52,15 +68,15 @@ def layouts(cfg: DictConfig, world: int, *, vary_recompute: bool = True):
     """Every accepted (tp, pp, vp, cp, micro batch, recompute) for `world` GPUs."""
     m, t = cfg.model, cfg.train
     gpu = cfg.cluster.device != "cpu"
-    cps = [c for c in (1, 2, 4, 8) if cfg.data.seq_len % (2 * c) == 0] if gpu else [1]
     recomputes = ("none", "selective", "full") if vary_recompute else (cfg.parallel.recompute,)
+    mbss = (1,) if cfg.data.packing and cfg.cluster.device == "cuda" else (1, 2, 4)  # checks.py
     for tp in _tp_options(cfg):
-        for cp in cps:
+        for cp, comm in _cp_options(cfg, tp) if gpu else [(1, None)]:
             for pp in [p for p in POW2 if p <= m.num_layers]:
                 if world % (tp * cp * pp):
                     continue
                 dp = world // (tp * cp * pp)
-                for mbs in (1, 2, 4):
+                for mbs in mbss:
                     if t.global_batch_size % (mbs * dp):
                         continue
                     micro = t.global_batch_size // (mbs * dp)
@@ -71,9 +87,9 @@ def layouts(cfg: DictConfig, world: int, *, vary_recompute: bool = True):
                         if not _splits(m.num_layers, pp, vp):
                             continue
                         for rc in recomputes:
-                            yield dict(
-                                tp=tp, pp=pp, vp=vp, cp=cp, micro_batch_size=mbs, recompute=rc
-                            )
+                            lay = dict(tp=tp, pp=pp, vp=vp, cp=cp, micro_batch_size=mbs,
+                                       recompute=rc)  # fmt: skip
+                            yield dict(lay, cp_comm_type=comm) if comm else lay
 
 
 def fits(cfg: DictConfig, world: int) -> tuple[bool, float]:
@@ -83,9 +99,10 @@ def fits(cfg: DictConfig, world: int) -> tuple[bool, float]:
 
 def overrides(row: dict) -> str:
     """The command-line overrides that select this layout (dp follows from the world size)."""
+    comm = f" parallel.cp_comm_type={row['cp_comm_type']}" if "cp_comm_type" in row else ""
     return (
         f"parallel.tp={row['tp']} parallel.pp={row['pp']} parallel.vp={row['vp']} "
-        f"parallel.cp={row['cp']} parallel.sp={str(row['sp']).lower()} "
+        f"parallel.cp={row['cp']}{comm} parallel.sp={str(row['sp']).lower()} "
         f"parallel.recompute={row['recompute']} train.micro_batch_size={row['micro_batch_size']}"
     )
 

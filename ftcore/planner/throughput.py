@@ -5,7 +5,8 @@ One micro-batch on one pipeline rank costs
   GEMMs / (peak[precision] * matmul_efficiency)      FP8/FP4 where the recipe quantizes, else bf16
 + attention / (peak[bf16] * attention_efficiency)    flash attention stays in bf16
 + elementwise bytes / HBM bandwidth                  norms, RoPE, SwiGLU, residuals, FP8 casts, loss
-+ exposed tensor- and context-parallel traffic       over NVLink (or the network beyond the domain)
++ exposed tensor-parallel traffic                    over NVLink (or the network beyond the domain)
++ exposed context-parallel KV exchange               per parallel.cp_comm_type (cp.py)
 and a step is (micro-batches + (pp - 1) / vp) of the slowest rank's micro-batch (1F1B or
 interleaved pipeline bubble), plus the exposed pipeline sends, the data-parallel gradient
 reduce-scatter / parameter all-gather, the optimizer's pass over its shard, and a fixed overhead.
@@ -18,19 +19,24 @@ taken against that measured peak.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from omegaconf import DictConfig
 
 from ftcore.planner import activations as act
-from ftcore.planner import calibration, host
-from ftcore.planner.flops import micro_batch_work, model_flops_per_token
+from ftcore.planner import calibration, cp, host
+from ftcore.planner.flops import (
+    FLASH_BWD,
+    attention_forward_flops,
+    micro_batch_work,
+    model_flops_per_token,
+)
 from ftcore.planner.memory import GRAD_REDUCE_IN_FP32, model_state
 from ftcore.planner.view import view
 
 LINK_EFFICIENCY = 0.8  # achievable fraction of a link's bandwidth in NCCL collectives
 HBM_EFFICIENCY = 0.7  # achievable fraction of HBM bandwidth for elementwise kernels
 TP_EXPOSED = 0.7  # tensor-parallel collectives not hidden behind GEMMs (TE comm overlap)
-CP_EXPOSED = 0.3  # context-parallel KV exchange not hidden behind attention
 P2P_EXPOSED = 0.5  # pipeline sends not hidden (overlapped in the interleaved schedule)
 DP_EXPOSED = 0.2  # gradient reduce / param gather not hidden behind backward / forward
 OPTIM_BYTES = 40  # bytes moved per optimizer element: param, grad, main, 2 moments, read + write
@@ -108,7 +114,7 @@ def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
     attn_rate = base * (k.attention_efficiency if c.device != "cpu" else k.matmul_efficiency)
     t += w.attention / attn_rate
     hbm = max(c.hbm_gbps, 1e-3) * 1e9 * HBM_EFFICIENCY
-    t += w.layers * elementwise_bytes(sh) / hbm
+    t += w.layers * (elementwise_bytes(sh) + cp.merge_bytes(sh, p.recompute == "full")) / hbm
     if pp_rank == p.pp - 1:
         t += sh.target_tokens * sh.vocab / sh.tp * 20 / hbm  # logits, fp32 softmax, its gradient
     passes = 2 + (1 if p.recompute == "full" else 0)
@@ -120,9 +126,10 @@ def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
     if p.tp > 1:
         vol = 4 * (p.tp - 1) / p.tp * sh.tokens * sh.h * sh.ab * passes * w.layers
         comm += TP_EXPOSED * vol / _link(cfg, p.tp)
-    if p.cp > 1:
-        vol = 3 * (p.cp - 1) * sh.tokens * 2 * sh.kv / p.tp * sh.ab * w.layers
-        comm += CP_EXPOSED * vol / _link(cfg, p.tp * p.cp)
+    if p.cp > 1:  # the KV exchange of parallel.cp_comm_type, less what attention hides (cp.py)
+        fwd = attention_forward_flops(cfg) / attn_rate
+        attn = (fwd, fwd * FLASH_BWD)
+        comm += w.layers * cp.exposed_s(sh, attn, partial(_link, cfg), p.recompute == "full")
     return t, comm
 
 

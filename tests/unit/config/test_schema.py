@@ -52,6 +52,15 @@ def test_unknown_group_option_lists_options():
         (["parallel.tp=2"], 3, "parallel.tp/parallel.pp/parallel.cp"),
         (["parallel.sp=true"], 1, "parallel.sp"),
         (["parallel.recompute=some"], 1, "parallel.recompute"),
+        (["data.seq_len=2048"], 1, "data.seq_len"),  # tiny has 1024 positions
+        (["parallel.cp=2", "data.seq_len=126"], 2, "data.seq_len"),  # 2*cp chunks
+        (
+            ["parallel.tp=2", "parallel.sp=true", "parallel.cp=2", "data.seq_len=132"],
+            4,
+            "data.seq_len",
+        ),
+        (["parallel.cp=8", "parallel.cp_comm_type=a2a"], 8, "parallel.cp_comm_type"),  # 4 kv heads
+        (["parallel.cp=2", "parallel.cp_comm_type=ring"], 2, "parallel.cp_comm_type"),
     ],
 )
 def test_validation_names_the_field(overrides, world, field):
@@ -77,6 +86,7 @@ def _run(*args):
         (["+exp=tiny_full", "parallel.tp=x"], "parallel.tp"),
         (["+exp=tiny_full", "parallel.tp=3"], "parallel.tp"),
         (["+exp=tiny_full", "train.global_batch_size=10"], "train.global_batch_size"),
+        (["+exp=tiny_full", "data.seq_len=2048"], "data.seq_len"),  # tiny: 1024 positions
         (["+exp=nope"], "exp/nope"),
     ],
 )

@@ -42,6 +42,8 @@ def test_exit_0_when_it_does_not_fit_and_2_on_config_errors():
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["fits"] is False
     assert plan_cli("+exp=70b_full", "parallel.pp=3").returncode == 2  # 80 layers over 3 stages
+    long = plan_cli("+exp=70b_lora", "data.seq_len=131072")  # llama3_70b has 8192 positions
+    assert long.returncode == 2 and "ftcore error: data.seq_len:" in long.stderr
     assert plan_cli("+exp=70b_full", "no_such.key=1").returncode == 2
 
 
