@@ -5,6 +5,7 @@ FtcoreError naming the field and the fix."""
 from __future__ import annotations
 
 import copy
+import math
 
 from omegaconf import DictConfig
 
@@ -14,6 +15,7 @@ from ftcore.planner.layers import split_layers
 
 CHOICES = {
     "parallel.recompute": ("none", "selective", "full"),
+    "parallel.cp_comm_type": ("p2p", "all_gather", "a2a"),
     "model.init_method": ("auto", "layout_independent", "sharded"),
     "peft.name": ("none", "lora", "qlora"),
     "data.format": ("instruction", "chat", "text"),
@@ -82,11 +84,15 @@ def check_divisibility(cfg: DictConfig) -> None:
             fix="set parallel.tp>1 or parallel.sp=false",
         )
     split_layers(m.num_layers, p.pp, p.vp)
-    if cfg.data.seq_len % (p.tp if p.sp else 1) or cfg.data.seq_len % (2 * p.cp):
+    multiple = sequence_multiple(p)
+    if cfg.data.seq_len % multiple:
         raise FtcoreError(
-            f"seq_len={cfg.data.seq_len} must divide by tp (with sp) and by 2*cp",
+            f"seq_len={cfg.data.seq_len} must divide by 2*cp (context parallel chunks) and by "
+            f"cp*tp with sp (each rank's share split over TP): {multiple}",
             field="data.seq_len",
+            fix=f"use a multiple of {multiple}, e.g. {-(-cfg.data.seq_len // multiple) * multiple}",
         )
+    check_context_parallel(cfg)
     if cfg.data.packing and cfg.cluster.device == "cuda" and t.micro_batch_size != 1:
         raise FtcoreError(
             "packed sequences go to Transformer Engine as one THD row per micro-batch",
@@ -99,6 +105,46 @@ def check_divisibility(cfg: DictConfig) -> None:
             field="train.global_batch_size",
             fix="make train.global_batch_size a multiple of train.micro_batch_size",
         )
+
+
+def sequence_multiple(p) -> int:
+    """What every row width must divide by: 2*cp chunks (data/cp.py), and each CP rank's share
+    by tp under sequence parallelism."""
+    return math.lcm(2 * p.cp, p.cp * (p.tp if p.sp else 1))
+
+
+def check_context_parallel(cfg: DictConfig) -> None:
+    p, m = cfg.parallel, cfg.model
+    if p.cp == 1:
+        return
+    if p.cp_comm_type == "a2a" and (m.num_query_groups // p.tp) % p.cp:
+        raise FtcoreError(
+            f"cp_comm_type=a2a splits the attention heads over cp={p.cp}: the {m.num_query_groups} "
+            f"KV heads (per TP rank: {m.num_query_groups // p.tp}) do not divide by it",
+            field="parallel.cp_comm_type", fix="use parallel.cp_comm_type=p2p or all_gather",
+        )  # fmt: skip
+    if cfg.eval.accuracy:
+        raise FtcoreError(
+            "exact-match accuracy generates token by token, which context parallelism does not "
+            "shard (ftcore.generate refuses cp > 1 too)",
+            field="eval.accuracy", fix="set eval.accuracy=false, or evaluate at parallel.cp=1",
+        )  # fmt: skip
+    if cfg.data.packing and cfg.cluster.device == "cuda":
+        raise FtcoreError(
+            "packed rows under context parallelism on GPU need Transformer Engine's THD "
+            "partitioning (documents padded to 2*cp), which ftcore does not wire yet",
+            field="data.packing",
+            fix="set data.packing=false (data.trim_padding keeps rows short) or parallel.cp=1",
+        )
+
+
+def check_generation(cfg: DictConfig) -> None:
+    """ftcore.generate: one new position per forward cannot be cut into 2*cp chunks."""
+    if cfg.parallel.cp > 1:
+        raise FtcoreError(
+            f"generation does not run under context parallelism (parallel.cp={cfg.parallel.cp})",
+            field="parallel.cp", fix="generate with parallel.cp=1 (checkpoints load at any cp)",
+        )  # fmt: skip
 
 
 def check_world(cfg: DictConfig, world: int) -> int:

@@ -93,6 +93,9 @@ class ParallelConfig:
     pp: int = 1
     vp: int = 1  # virtual stages per pipeline rank (1 = no interleaving)
     cp: int = 1
+    # how Transformer Engine's attention exchanges K/V across the CP group on GPU (megatron's
+    # cp_comm_type): p2p | all_gather | a2a (docs/context_parallel.md). The CPU path is all-gather.
+    cp_comm_type: str = "p2p"
     sp: bool = False  # sequence parallel, only with tp > 1
     distributed_optimizer: bool = False
     recompute: str = "none"  # none | selective | full

@@ -1,0 +1,104 @@
+"""Worker-side cases for context parallelism: packed synthetic batches, one run per layout that
+trains unpacked and packed rows and evaluates, and the CP attention against the whole sequence."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+
+from ftcore.data.packing import attention_mask_from_segments, first_fit_decreasing, make_microbatch
+from ftcore.data.templates import Doc
+from ftcore.models.local.attention import SdpaAttention
+from ftcore.training import trainer
+from ftcore.training.evaluation import evaluate
+from tests.support.layouts import SyntheticLoader, build, full_weights
+
+
+class PackedLoader(SyntheticLoader):
+    """Global batch k: documents of 2 to seq/2 tokens (random targets), first-fit-decreasing into
+    rows of data.seq_len, the first global_batch_size rows (padding at the ends of rows)."""
+
+    def next_microbatches(self):
+        t, seq = self.cfg.train, self.cfg.data.seq_len
+        r = np.random.default_rng(self.seed * 100_003 + self.step)
+        self.step += 1
+        docs = [
+            Doc(r.integers(0, self.vocab, n).astype(np.int32), r.random(n) < 0.7)
+            for n in r.integers(2, seq // 2 + 1, 4 * t.global_batch_size)
+        ]
+        bins = first_fit_decreasing([len(d) for d in docs], seq)[: t.global_batch_size]
+        per = t.global_batch_size // self.dp
+        mine = bins[self.dp_rank * per : (self.dp_rank + 1) * per]
+        mbs = t.micro_batch_size
+        return [
+            make_microbatch([[docs[d] for d in row] for row in mine[i : i + mbs]], seq, 0)
+            for i in range(0, per, mbs)
+        ]
+
+
+def train_unpacked_and_packed(overrides: list[str], run_dir: str, steps: int) -> dict:
+    """Per mode: losses, grad norms, full weights, the eval loss of one more batch, and the
+    sequence lengths the attention saw (s / cp when the batch is really sharded)."""
+    out = {}
+    for mode in ("unpacked", "packed"):
+        state = build(overrides, f"{run_dir}/{mode}")
+        if mode == "packed":
+            state.loader = PackedLoader(state.cfg, ps.get_data_parallel_rank(), state.dp,
+                                        state.cfg.model.vocab_size)  # fmt: skip
+        seen: set[int] = set()
+        for chunk in state.model:
+            for m in chunk.modules():
+                if isinstance(m, SdpaAttention):
+                    m.register_forward_hook(lambda mod, a, o, seen=seen: seen.add(a[0].shape[0]))
+        losses, norms = [], []
+        for _ in range(steps):
+            step = trainer.train_step(state)
+            losses.append(step["loss"])
+            norms.append(step["grad_norm"])
+        held_out = evaluate(state, [state.loader.next_microbatches()])
+        out[mode] = {"loss": losses, "grad_norm": norms, "weights": full_weights(state),
+                     "eval": (held_out.loss, held_out.tokens), "seen": sorted(seen)}  # fmt: skip
+    return out
+
+
+def attention_against_whole(seed: int = 0) -> dict:
+    """Two ranks, one CP group (the world): the CP attention's output and Q/K/V gradients at this
+    rank's positions against SDPA over the whole packed sequence (float64, GQA)."""
+    from ftcore.data.cp import local_positions
+    from ftcore.models.local import cp_attention
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    s, b, heads, groups, d = 32, 2, 4, 2, 8
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s, b, heads, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(s, b, groups, d, generator=g, dtype=torch.float64) for _ in range(2))
+    grad_out = torch.randn(s, b, heads * d, generator=g, dtype=torch.float64)
+    seg = torch.tensor([[1] * 5 + [2] * 13 + [3] * 10 + [0] * 4, [1] * 30 + [2] * 2])
+    mask = attention_mask_from_segments(seg)
+    scale = d**-0.5
+
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    qw, kw, vw = (t.permute(1, 2, 0, 3) for t in whole)
+    ref = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=~mask, scale=scale, enable_gqa=True)
+    ref = ref.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+    ref.backward(grad_out)
+
+    idx = local_positions(s, cp, rank)
+    mine = [t.index_select(0, idx).clone().requires_grad_() for t in (q, k, v)]
+    got = cp_attention.attention(*mine, cp_attention.local_mask(mask, cp, rank), scale,
+                                 dist.group.WORLD)  # fmt: skip
+    got.backward(grad_out.index_select(0, idx))
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    return {
+        "shape": tuple(got.shape),
+        "out": rel(got, ref.detach().index_select(0, idx)),
+        **{
+            f"d{n}": rel(m.grad, w.grad.index_select(0, idx)) for n, m, w in zip("qkv", mine, whole)
+        },
+    }
