@@ -110,7 +110,7 @@ def check_divisibility(cfg: DictConfig) -> None:
 def sequence_multiple(p) -> int:
     """What every row width must divide by: 2*cp chunks (data/cp.py), and each CP rank's share
     by tp under sequence parallelism."""
-    return math.lcm(2 * p.cp, p.cp * (p.tp if p.sp else 1))
+    return math.lcm(2 * p.cp if p.cp > 1 else 1, p.cp * (p.tp if p.sp else 1))
 
 
 def check_context_parallel(cfg: DictConfig) -> None:
