@@ -9,12 +9,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 
+from ftcore.data.cp import shard
 from ftcore.data.packing import attention_mask_from_segments, first_fit_decreasing, make_microbatch
 from ftcore.data.templates import Doc
 from ftcore.models.local.attention import SdpaAttention
+from ftcore.models.sharding import unwrap
 from ftcore.training import trainer
 from ftcore.training.evaluation import evaluate
-from tests.support.layouts import SyntheticLoader, build, full_weights
+from tests.support.layouts import SyntheticLoader, build, full_weights, record_microbatches
 
 
 class PackedLoader(SyntheticLoader):
@@ -40,8 +42,9 @@ class PackedLoader(SyntheticLoader):
 
 
 def train_unpacked_and_packed(overrides: list[str], run_dir: str, steps: int) -> dict:
-    """Per mode: losses, grad norms, full weights, the eval loss of one more batch, and the
-    sequence lengths the attention saw (s / cp when the batch is really sharded)."""
+    """Per mode: losses, grad norms, full weights, the eval loss of one more batch, the sequence
+    lengths the attention saw (s / cp when the batch is really sharded), and the rows the output
+    layer computed per training micro-batch against this rank's targets (models/target_logits.py)."""
     out = {}
     for mode in ("unpacked", "packed"):
         state = build(overrides, f"{run_dir}/{mode}")
@@ -53,15 +56,29 @@ def train_unpacked_and_packed(overrides: list[str], run_dir: str, steps: int) ->
             for m in chunk.modules():
                 if isinstance(m, SdpaAttention):
                     m.register_forward_hook(lambda mod, a, o, seen=seen: seen.add(a[0].shape[0]))
+        rows, mbs = output_rows(state), record_microbatches(state)
         losses, norms = [], []
         for _ in range(steps):
             step = trainer.train_step(state)
             losses.append(step["loss"])
             norms.append(step["grad_norm"])
+        cp, rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        targets = [max(1, int(shard(mb, cp, rank).loss_mask.sum())) for mb in mbs] if rows else []
         held_out = evaluate(state, [state.loader.next_microbatches()])
         out[mode] = {"loss": losses, "grad_norm": norms, "weights": full_weights(state),
-                     "eval": (held_out.loss, held_out.tokens), "seen": sorted(seen)}  # fmt: skip
+                     "eval": (held_out.loss, held_out.tokens), "seen": sorted(seen),
+                     "output_rows": rows[: len(targets)], "targets": targets}  # fmt: skip
     return out
+
+
+def output_rows(state) -> list[int]:
+    """A list that fills with the rows the output layer computes, per forward (last stage only)."""
+    chunk, seen = unwrap(state.model[-1]), []
+    if chunk.post_process:
+        chunk.output_layer.register_forward_hook(
+            lambda m, a, o: seen.append(a[0].shape[0] * a[0].shape[1])
+        )
+    return seen
 
 
 def attention_against_whole(seed: int = 0) -> dict:
