@@ -85,6 +85,8 @@ def forward_step(data_iterator, model):
 
     On CPU (local attention) packed documents are kept apart by a block-diagonal causal mask; on
     GPU with Transformer Engine, packed rows go in as THD (cu_seqlens) and plain rows as causal.
+    Under context parallelism the rank takes its chunks of every row (data/cp.py), and the local
+    attention gets its query rows of the whole rows' mask (models/local/cp_attention.py).
     The output layer runs at the target positions only where it can (models/target_logits.py).
     Inputs go to the device with non-blocking copies, and what depends on the data (masks,
     documents, target rows) is computed from the host tensors: no host sync per micro-batch."""
