@@ -83,7 +83,8 @@ def output_rows(state) -> list[int]:
 
 def attention_against_whole(seed: int = 0) -> dict:
     """Two ranks, one CP group (the world): the CP attention's output and Q/K/V gradients at this
-    rank's positions against SDPA over the whole packed sequence (float64, GQA)."""
+    rank's positions against SDPA over the whole packed sequence (float64, GQA); and this rank's
+    micro-batch and RoPE angles against megatron's slicing functions."""
     from ftcore.data.cp import local_positions
     from ftcore.models.local import cp_attention
 
@@ -112,7 +113,27 @@ def attention_against_whole(seed: int = 0) -> dict:
     def rel(a, b):
         return ((a - b).norm() / b.norm()).item()
 
+    # the slices against megatron's get_batch_on_this_cp_rank: the batch and the RoPE angles
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from ftcore.data.cp import shard
+    from ftcore.models.rope import pos_emb_on_this_cp_rank
+
+    mb = make_microbatch([[Doc(np.arange(20, dtype=np.int32), np.ones(20, bool))], []], s, 0)
+    ours = shard(mb, cp, rank)
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
+    theirs = get_batch_on_this_cp_rank({k: getattr(mb, k) for k in keys}, dist.group.WORLD)
+    # megatron's get_pos_emb_on_this_cp_rank copies its index through pinned memory to CUDA (why
+    # ftcore has its own): the angles must be those of the tokens megatron's batch slice keeps
+    emb = torch.randn(s, 1, 1, d, generator=g)
+    their_emb = get_batch_on_this_cp_rank({"emb": emb.transpose(0, 1)}, dist.group.WORLD)["emb"]
+    same_emb = torch.equal(
+        pos_emb_on_this_cp_rank(emb, 0, dist.group.WORLD), their_emb.transpose(0, 1)
+    )
+
     return {
+        "same_batch": all(torch.equal(getattr(ours, k), theirs[k]) for k in keys),
+        "same_rope": same_emb,
         "shape": tuple(got.shape),
         "out": rel(got, ref.detach().index_select(0, idx)),
         **{
