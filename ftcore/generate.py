@@ -75,6 +75,7 @@ def task(cfg: DictConfig) -> int | None:
     preflight.require_cuda(cfg, "generate")
     preflight.use_adapter(cfg, training=False)  # an adapter path is loaded, never dropped
     read_prompt(cfg)  # a missing prompt or prompt file exits 2 before any worker starts
+    checks.check_generation(cfg)
     from ftcore.runtime import dist as rdist
 
     status = rdist.launch_standalone(

@@ -15,6 +15,8 @@ from ftcore.planner.layers import split_layers
 
 CHOICES = {
     "parallel.recompute": ("none", "selective", "full"),
+    # a2a+p2p needs megatron's hierarchical CP group sizes, not wired (the planner prices it)
+    "parallel.cp_comm_type": ("p2p", "all_gather", "a2a"),
     "model.init_method": ("auto", "layout_independent", "sharded"),
     "peft.name": ("none", "lora", "qlora"),
     "data.format": ("instruction", "chat", "text"),
@@ -23,7 +25,6 @@ CHOICES = {
     "logger.wandb.mode": ("disabled", "offline", "online"),
     "checkpoint.resume": None,  # auto | never | PATH
     "plan.format": ("table", "json"),
-    "parallel.cp_comm_type": cp.COMM_TYPES,
 }
 
 
@@ -85,6 +86,7 @@ def check_divisibility(cfg: DictConfig) -> None:
         )
     split_layers(m.num_layers, p.pp, p.vp)
     check_sequence(cfg)
+    check_context_parallel(cfg)
     if cfg.data.packing and cfg.cluster.device == "cuda" and t.micro_batch_size != 1:
         raise FtcoreError(
             "packed sequences go to Transformer Engine as one THD row per micro-batch",
@@ -116,15 +118,47 @@ def check_sequence(cfg: DictConfig) -> None:
     if problem:
         field, what, fix = problem
         raise FtcoreError(what, field=field, fix=fix)
-    mult = cp.seq_multiple(p.tp, bool(p.sp), p.cp)
+    mult = sequence_multiple(p)
     if s % mult:
-        why = "2*cp chunks" if p.cp > 1 else "an even length"
-        why += ", each split over tp under sp" if p.sp else ""
         raise FtcoreError(
-            f"seq_len={s} must divide by {mult} ({why})",
+            f"seq_len={s} must divide by {mult}: by 2*cp (context parallel chunks) and by cp*tp "
+            "with sp (each CP rank's share split over TP)",
             field="data.seq_len",
-            fix=f"use a multiple of {mult}",
+            fix=f"use a multiple of {mult}, e.g. {-(-s // mult) * mult}",
         )
+
+
+def sequence_multiple(p) -> int:
+    """What every row width must divide by (planner/cp.py: the layout search uses the same)."""
+    return cp.seq_multiple(p.tp, bool(p.sp), p.cp)
+
+
+def check_context_parallel(cfg: DictConfig) -> None:
+    p = cfg.parallel
+    if p.cp == 1:
+        return
+    if cfg.eval.accuracy:
+        raise FtcoreError(
+            "exact-match accuracy generates token by token, which context parallelism does not "
+            "shard (ftcore.generate refuses cp > 1 too)",
+            field="eval.accuracy", fix="set eval.accuracy=false, or evaluate at parallel.cp=1",
+        )  # fmt: skip
+    if cfg.data.packing and cfg.cluster.device == "cuda":
+        raise FtcoreError(
+            "packed rows under context parallelism on GPU need Transformer Engine's THD "
+            "partitioning (documents padded to 2*cp), which ftcore does not wire yet",
+            field="data.packing",
+            fix="set data.packing=false (data.trim_padding keeps rows short) or parallel.cp=1",
+        )
+
+
+def check_generation(cfg: DictConfig) -> None:
+    """ftcore.generate: one new position per forward cannot be cut into 2*cp chunks."""
+    if cfg.parallel.cp > 1:
+        raise FtcoreError(
+            f"generation does not run under context parallelism (parallel.cp={cfg.parallel.cp})",
+            field="parallel.cp", fix="generate with parallel.cp=1 (checkpoints load at any cp)",
+        )  # fmt: skip
 
 
 def check_world(cfg: DictConfig, world: int) -> int:

@@ -93,7 +93,9 @@ class ParallelConfig:
     pp: int = 1
     vp: int = 1  # virtual stages per pipeline rank (1 = no interleaving)
     cp: int = 1
-    cp_comm_type: str = "p2p"  # p2p | all_gather | a2a | a2a+p2p (TE's KV exchange under cp > 1)
+    # how Transformer Engine's attention exchanges K/V across the CP group on GPU (megatron's
+    # cp_comm_type): p2p | all_gather | a2a (docs/context_parallel.md). The CPU path is all-gather.
+    cp_comm_type: str = "p2p"
     sp: bool = False  # sequence parallel, only with tp > 1
     distributed_optimizer: bool = False
     recompute: str = "none"  # none | selective | full
@@ -211,7 +213,6 @@ class DataConfig:
     val_path: Optional[str] = None
     val_fraction: float = 0.0
     cache_dir: Optional[str] = None  # default ~/.cache/ftcore/data
-    tokenize_workers: int = 0  # processes building the cache; 0 = every CPU for data >= 32 MB
     mix: list[DataMixEntry] = field(default_factory=list)
     max_samples: Optional[int] = None
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ftcore.config.checks import sequence_multiple
 from ftcore.config.schema import assets_dir
 from ftcore.data.packing import MicroBatch, attention_mask_from_segments, make_microbatch
 from ftcore.data.sampler import Sampler, rng
@@ -165,10 +166,7 @@ def trim_multiple(cfg) -> int | None:
     if d.packing or not d.trim_padding:
         return None
     m = 1 if cfg.cluster.device == "cpu" else 8
-    if p.sp:
-        m = math.lcm(m, p.tp)
-    if p.cp > 1:
-        m = math.lcm(m, 2 * p.cp)
+    m = math.lcm(m, sequence_multiple(p))
     if prec.fp8_recipe or prec.fp4_recipe:
         m = math.lcm(m, 128)
     return m

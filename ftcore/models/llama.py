@@ -55,6 +55,8 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
         pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vp if p.vp > 1 else None,
         context_parallel_size=p.cp,
+        # TE's K/V exchange on GPU (docs/context_parallel.md); the CPU attention all-gathers
+        cp_comm_type=p.cp_comm_type if p.cp > 1 else None,
         sequence_parallel=p.sp,
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -43,8 +43,10 @@ def model_inv_freq(model_cfg) -> torch.Tensor:
 
 def install(chunks, model_cfg) -> None:
     """Overwrite every chunk's rotary inv_freq (before any forward: megatron caches the embedding)."""
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
     freq = model_inv_freq(model_cfg)
     for chunk in chunks:
         rope = getattr(chunk, "rotary_pos_emb", None)
@@ -54,6 +56,16 @@ def install(chunks, model_cfg) -> None:
     cache_clear = getattr(RotaryEmbedding.forward, "cache_clear", None)
     if cache_clear is not None:
         cache_clear()
+
+
+def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """megatron's get_pos_emb_on_this_cp_rank (the angles of this CP rank's chunks r and
+    2*cp-1-r, ftcore.data.cp), on the embedding's own device: megatron's copies its index through
+    pinned memory to CUDA, which a CPU run has neither of."""
+    from ftcore.data.cp import local_positions
+
+    index = local_positions(pos_emb.shape[seq_dim], cp_group.size(), cp_group.rank())
+    return pos_emb.index_select(seq_dim, index.to(pos_emb.device))
 
 
 class _Rotate(torch.autograd.Function):

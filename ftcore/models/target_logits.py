@@ -14,8 +14,9 @@ over the same targets, and the same gradients (the gather's backward scatters th
 Under sequence parallelism a rank holds a chunk of the sequence: the output layer's input is
 all-gathered first (its backward takes this rank's chunk of a gradient that the output layer's TP
 copy has already summed), picked, and the output layer runs without SP for that call, as
-megatron's inference path does; the last MLP stays at every position there. Not under context
-parallelism (positions are split across ranks all the way to the loss).
+megatron's inference path does; the last MLP stays at every position there. Under context
+parallelism each rank picks the targets among its own positions (its loss mask is sharded like
+its tokens, data/cp.py), from the last MLP on: the CP attention attends every local query.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 
 def applies(chunk) -> bool:
-    """This chunk computes logits, and the whole sequence is on this rank (or its TP group) then."""
-    return bool(chunk.post_process) and chunk.config.context_parallel_size == 1
+    """This chunk computes logits (a CP rank's rows are its own positions' targets)."""
+    return bool(chunk.post_process)
 
 
 def rows_of(loss_mask: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,10 @@ def gather_full(chunks, *, everywhere: bool = False) -> dict[str, torch.Tensor] 
     `everywhere`, on every rank. Collective: every TP shard is gathered (not only TP rank 0's),
     and every pipeline stage contributes its layers."""
     tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
-    lead = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    lead = (
+        ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    )
     mine = {}
     for name, p in iter_params(chunks):
         if ".lora_" not in name:

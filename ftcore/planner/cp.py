@@ -32,10 +32,9 @@ def comm_type(parallel) -> str:
 
 
 def seq_multiple(tp: int, sp: bool, cp: int) -> int:
-    """What data.seq_len must divide by: the 2*cp chunks of context parallelism, each split over
-    the TP ranks under sequence parallelism (without CP: tp under SP, and 2)."""
-    split = tp if sp else 1
-    return split * 2 * cp if cp > 1 else math.lcm(split, 2)
+    """What data.seq_len (and every trimmed row) must divide by: the 2*cp chunks of context
+    parallelism (data/cp.py), and each CP rank's share split over the TP ranks under SP."""
+    return math.lcm(2 * cp if cp > 1 else 1, cp * (tp if sp else 1))
 
 
 def a2a_size(model, tp: int, cp: int, comm: str, nvlink_domain: int = 8) -> int:

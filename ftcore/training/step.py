@@ -17,10 +17,11 @@ from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from ftcore.data import cp as cp_shard
 from ftcore.data.pipeline import MicroBatch, attention_mask_from_segments
 from ftcore.data.transfer import to_device
 from ftcore.models import target_logits
-from ftcore.models.local import attention
+from ftcore.models.local import attention, cp_attention
 from ftcore.models.sharding import unwrap
 from ftcore.runtime import cpu
 from ftcore.runtime import dist as rdist
@@ -84,21 +85,27 @@ def forward_step(data_iterator, model):
 
     On CPU (local attention) packed documents are kept apart by a block-diagonal causal mask; on
     GPU with Transformer Engine, packed rows go in as THD (cu_seqlens) and plain rows as causal.
+    Under context parallelism the rank takes its chunks of every row (data/cp.py), and the local
+    attention gets its query rows of the whole rows' mask (models/local/cp_attention.py).
     The output layer runs at the target positions only where it can (models/target_logits.py).
     Inputs go to the device with non-blocking copies, and what depends on the data (masks,
     documents, target rows) is computed from the host tensors: no host sync per micro-batch."""
-    mb: MicroBatch = next(data_iterator)
+    whole: MicroBatch = next(data_iterator)
     device = next(model.parameters()).device
     chunk = unwrap(model)
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    mb = cp_shard.shard(whole, cp, cp_rank)  # this CP rank's chunks of the rows (data/cp.py)
     rows = width = None
     if target_logits.applies(chunk):
         rows = to_device(target_logits.rows_of(mb.loss_mask), device)
         width = target_logits.widest(mb.loss_mask)
     kwargs = {}
-    packed = int(mb.segment_ids.max()) > 1
+    packed = int(whole.segment_ids.max()) > 1
     if not getattr(chunk, "uses_te", False):
-        mask = attention_mask_from_segments(to_device(mb.segment_ids, device))
-        if packed and chunk.config.context_parallel_size == 1:
+        mask = attention_mask_from_segments(to_device(whole.segment_ids, device))
+        if cp > 1:  # this rank's query rows of the whole rows' mask (models/local/cp_attention.py)
+            mask = cp_attention.local_mask(mask, cp, cp_rank)
+        elif packed:
             # packed rows: attend document by document (models/attention.py)
             mask = attention.with_documents(mask, attention.documents(mb.segment_ids).to(device))
     else:

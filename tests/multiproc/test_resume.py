@@ -108,13 +108,15 @@ LORA = ["peft=lora", "peft.target_modules=[q_proj,v_proj,o_proj,down_proj]"]
         (["parallel.pp=2"], []),
         ([], ["parallel.pp=2"]),
         (["parallel.tp=2", *LORA], LORA),
+        (["parallel.cp=2"], []),
     ],
-    ids=["tp2_to_dp2", "pp2_to_dp2", "dp2_to_pp2", "lora_tp2_to_dp2"],
+    ids=["tp2_to_dp2", "pp2_to_dp2", "dp2_to_pp2", "lora_tp2_to_dp2", "cp2_to_dp2"],
 )
 def test_distributed_optimizer_reshards(pool2, tmp_path, before, after):
     """The distributed optimizer's state (Adam moments, fp32 main params) reshards across TP, PP
     and DP: TP=2 (DP=1, every rank holds half of each TP-split tensor's state) resumed at
-    TP=1 x DP=2 (each rank holds half of the flat buffer) continues with the uninterrupted losses."""
+    TP=1 x DP=2 (each rank holds half of the flat buffer) continues with the uninterrupted losses.
+    CP=2 (DP=1: the state is sharded over dp x cp = 2) resumes at CP=1 x DP=2."""
     ref, got = _run(pool2, tmp_path, [*before, DIST_OPT], [*after, DIST_OPT])
     _assert_continues(ref, got)
     assert not any("optimizer state not restored" in n for n in got["notes"]), got["notes"]

@@ -20,6 +20,7 @@ through `query_rows`): `attention_at_rows` attends just those.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from ftcore.data.transfer import to_device
+from ftcore.models.local import cp_attention
 from ftcore.models.local.gather import RowGather, gather
 
 
@@ -230,6 +232,23 @@ class SdpaAttention(DotProductAttention):
     query_width: int | None = None  # target_logits.widest of the micro-batch
     rows_done: bool = False
 
+    def __init__(self, config, *args, **kwargs):
+        # megatron's local attention asserts context_parallel_size == 1; this one attends CP
+        # shards itself (cp_attention.py), so its parent is built as at cp=1
+        cp = config.context_parallel_size
+        at_cp1 = config
+        if cp > 1:
+            at_cp1 = copy.copy(config)
+            at_cp1.context_parallel_size = 1
+        super().__init__(at_cp1, *args, **kwargs)
+        self.cp = cp
+        if cp == 1:
+            return
+        self.config = config  # the shared one (megatron sets fields on it at run time)
+        from megatron.core import parallel_state as ps
+
+        self.cp_group = ps.get_context_parallel_group()
+
     def _megatron_only(self) -> bool:
         c = self.config
         return (
@@ -242,6 +261,9 @@ class SdpaAttention(DotProductAttention):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):  # fmt: skip
         """[s, b, heads, d] in, [s, b, heads * d] out; attention_mask True = masked out."""
+        if self.cp > 1:
+            return self._context_parallel(query, key, value, attention_mask, attention_bias,
+                                          packed_seq_params)  # fmt: skip
         if self._megatron_only() or attention_mask is None or attention_bias is not None:
             return super().forward(query, key, value, attention_mask, attn_mask_type,
                                    attention_bias, packed_seq_params)  # fmt: skip
@@ -264,6 +286,14 @@ class SdpaAttention(DotProductAttention):
             enable_gqa=k.shape[1] != q.shape[1],
         )  # fmt: skip
         return ctx.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
+
+    def _context_parallel(self, query, key, value, mask, bias, packed_seq_params):
+        if self._megatron_only() or mask is None or bias is not None or packed_seq_params:
+            raise NotImplementedError(
+                "context parallelism on the local attention takes a mask from step.py and no "
+                "dropout, softmax offset, window, bias or THD input"
+            )
+        return cp_attention.attention(query, key, value, mask, self.softmax_scale, self.cp_group)
 
     def _per_document(self, query, key, value, docs: Documents) -> torch.Tensor:
         """Causal attention within each document; [s * b, heads, d] in megatron's order."""

@@ -61,6 +61,10 @@ def test_unknown_group_option_lists_options():
         ),
         (["parallel.cp=8", "parallel.cp_comm_type=a2a"], 8, "parallel.cp_comm_type"),  # 4 kv heads
         (["parallel.cp=2", "parallel.cp_comm_type=ring"], 2, "parallel.cp_comm_type"),
+        (["parallel.cp=3"], 3, "data.seq_len"),  # 128 tokens do not cut into 6 chunks
+        (["parallel.cp=2", "eval.accuracy=true"], 2, "eval.accuracy"),
+        (["parallel.cp=2", "cluster=h100"], 2, "data.packing"),  # THD under CP: not wired
+        (["parallel.cp=2", "parallel.cp_comm_type=a2a+p2p"], 2, "parallel.cp_comm_type"),
     ],
 )
 def test_validation_names_the_field(overrides, world, field):
@@ -71,6 +75,21 @@ def test_validation_names_the_field(overrides, world, field):
     with pytest.raises(FtcoreError) as e:
         validate(cfg, world)
     assert field in str(e.value)
+
+
+def test_context_parallel_layouts_validate():
+    """cp=2 on CPU with packed rows, and a2a where the KV heads divide by cp."""
+    assert validate(compose(["+exp=tiny_full", "parallel.cp=2"]), 2) == 1
+    a2a = ["+exp=tiny_full", "parallel.cp=4", "parallel.cp_comm_type=a2a"]
+    assert validate(compose(a2a), 8) == 2
+
+
+def test_generation_refuses_context_parallelism():
+    from ftcore.config.checks import check_generation
+
+    check_generation(compose(["+exp=tiny_full"]))
+    with pytest.raises(FtcoreError, match=r"parallel\.cp"):
+        check_generation(compose(["+exp=tiny_full", "parallel.cp=2"]))
 
 
 def _run(*args):
