@@ -78,7 +78,7 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
     d = m.kv_channels or m.hidden_size // m.num_attention_heads
     te = cfg.cluster.device != "cpu"
     quant = bool(pr.fp8_recipe or pr.fp4_recipe)
-    picks = p.cp == 1  # models/target_logits.py: applies(); the last MLP not under SP
+    picks = True  # models/target_logits.py: applies() (a CP rank picks its own rows); not SP
     mlp_picks = picks and not p.sp and p.recompute != "full" and not quant
     targets_frac = min(1.0, float(cfg.plan.target_fraction)) if picks else 1.0
     comm = cp.comm_type(p) if te else "all_gather"  # the CPU runtime's one CP attention
@@ -107,7 +107,12 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
         targets_frac=targets_frac,
         mlp_picks=mlp_picks,
         # SdpaAttention serves the rows only when they are at most half the slots (attention.py)
-        attn_picks=mlp_picks and not te and p.recompute == "none" and 2 * targets_frac <= 1.0,
+        # (the CP attention, models/local/cp_attention.py, attends every local row)
+        attn_picks=mlp_picks
+        and not te
+        and p.recompute == "none"
+        and 2 * targets_frac <= 1.0
+        and p.cp == 1,
         cp=p.cp,
         cp_comm=comm,
         a2a=cp.a2a_size(m, p.tp, p.cp, comm, cfg.cluster.nvlink_domain or 1),

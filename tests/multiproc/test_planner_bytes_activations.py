@@ -70,26 +70,12 @@ CP_CASES = [
     ["parallel.cp=2"],
     ["parallel.cp=2", "peft=lora", "precision=bf16", *WIDE],
 ]
-NO_CP = "Context parallelism is only supported by TEDotProductAttention"  # megatron's local spec
-_cp_runs: list[bool] = []  # [False] once the runtime refused CP: the other cases skip at once
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("overrides", CP_CASES, ids=str)
 def test_activation_bytes_cp(pool2, tmp_path, overrides):
-    """Runs as soon as ftcore's CPU runtime trains at cp > 1 (branch h/cp); until then megatron's
-    local attention refuses CP when the model is built, and the case skips, naming why."""
-    reason = "the CPU runtime does not run context parallelism yet (issue 26: CP in the trainer)"
-    if _cp_runs == [False]:
-        pytest.skip(reason)
-    try:
-        results = pool2.run(activation_case, overrides, str(tmp_path))
-    except RuntimeError as e:
-        if NO_CP not in str(e):
-            raise
-        _cp_runs[:] = [False]
-        pytest.skip(reason)
-    _check(results, overrides, 2)
+    _check(pool2.run(activation_case, overrides, str(tmp_path)), overrides, 2)
 
 
 def test_wide_case_is_dominated_by_layers():
