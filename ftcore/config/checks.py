@@ -10,11 +10,13 @@ from omegaconf import DictConfig
 
 from ftcore.config.ranges import check_ranges
 from ftcore.errors import FtcoreError
+from ftcore.models.families import FAMILIES
 from ftcore.planner.layers import split_layers
 
 CHOICES = {
     "parallel.recompute": ("none", "selective", "full"),
     "model.init_method": ("auto", "layout_independent", "sharded"),
+    "model.family": tuple(FAMILIES),
     "peft.name": ("none", "lora", "qlora"),
     "data.format": ("instruction", "chat", "text"),
     "data.truncate": ("right", "drop"),
