@@ -178,7 +178,9 @@ def total_params(cfg: DictConfig) -> int:
     per_layer = 2 * m.hidden_size + sum(o * i for o, i in base.values())
     fam = family(m)
     per_layer += base["linear_qkv"][0] if fam.qkv_bias else 0
-    per_layer += 2 * (m.kv_channels or m.hidden_size // m.num_attention_heads) if fam.qk_layernorm else 0
+    per_layer += (
+        2 * (m.kv_channels or m.hidden_size // m.num_attention_heads) if fam.qk_layernorm else 0
+    )
     per_layer += sum(
         n for t, sl in lora_plan(cfg).items() for _, n in lora_params(m, t, sl, cfg.peft.r, 1)
     )

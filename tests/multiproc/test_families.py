@@ -127,14 +127,18 @@ def test_lora_tp2_peft_oracle(family, pool2, built, tmp_path):
 
     path = built(family)["path"]
     x = tokens(batch=2, seq=SEQ + 1)
-    ours = next(r for r in pool2.run(oracle_case, path, str(tmp_path), ALL7, x) if r["logits"] is not None)
+    ours = next(
+        r for r in pool2.run(oracle_case, path, str(tmp_path), ALL7, x) if r["logits"] is not None
+    )
     peft_model = PeftModel.from_pretrained(hf_model(path), str(tmp_path / "hf_adapter")).eval()
     with torch.no_grad():
         want = peft_model(input_ids=x[:, :SEQ]).logits.float()
         base = hf_model(path)(input_ids=x[:, :SEQ]).logits.float()
         merged = hf_model(ours["merged"])(input_ids=x[:, :SEQ]).logits.float()
     assert _rel(want, base) > 1e-3, "the adapter did not change the model"
-    assert _rel(ours["logits"], want) <= RTOL, f"{family}: ftcore vs PEFT {_rel(ours['logits'], want):.2e}"
+    assert _rel(ours["logits"], want) <= RTOL, (
+        f"{family}: ftcore vs PEFT {_rel(ours['logits'], want):.2e}"
+    )
     loss = torch.nn.functional.cross_entropy(want.double().reshape(-1, want.shape[-1]),
                                              x[:, 1:].reshape(-1)).item()  # fmt: skip
     assert abs(ours["loss"] - loss) <= RTOL * loss, f"{family}: loss {ours['loss']} vs PEFT {loss}"
