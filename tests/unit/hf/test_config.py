@@ -125,7 +125,11 @@ def test_families_read_and_export_as_themselves(family, tmp_path):
     out.mkdir()
     (out / "config.json").write_text(json.dumps(hf_config_dict(cfg.model, dtype="float32")))
     back, ref = AutoConfig.from_pretrained(str(out)), AutoConfig.from_pretrained(str(src))
-    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+    arch = {
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "mistral": "MistralForCausalLM",
+    }
     assert type(back) is type(ref) and back.architectures == [arch[family]]
     for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
               "num_key_value_heads", "vocab_size", "rms_norm_eps", "tie_word_embeddings"):  # fmt: skip
@@ -138,14 +142,28 @@ def test_families_read_and_export_as_themselves(family, tmp_path):
 @pytest.mark.parametrize(
     "family,change,seq_len,refused",
     [
-        ("qwen2", {"use_sliding_window": False, "sliding_window": 8}, 32, False),  # key, switched off
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}, 32, True),
+        (
+            "qwen2",
+            {"use_sliding_window": False, "sliding_window": 8},
+            32,
+            False,
+        ),  # key, switched off
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
+            32,
+            True,
+        ),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 64}, 32, False),  # longer than seq
         ("mistral", {"sliding_window": 16}, 32, True),  # Mistral v0.1: on whenever set
         ("mistral", {"sliding_window": 32}, 32, False),  # window = seq_len masks nothing
         ("mistral", {"sliding_window": None}, 32, False),  # Mistral Large 2: full attention
-        ("llama", {"layer_types": ["full_attention"] * 3 + ["sliding_attention"],
-                   "sliding_window": 4}, 32, True),  # fmt: skip
+        (
+            "llama",
+            {"layer_types": ["full_attention"] * 3 + ["sliding_attention"], "sliding_window": 4},
+            32,
+            True,
+        ),  # fmt: skip
     ],
 )
 def test_sliding_window_refused_when_on_and_shorter(family, change, seq_len, refused, tmp_path):
