@@ -121,10 +121,6 @@ def test_mismatched_adapter_exits_2(tmp_path, capsys):
 
 
 def test_qlora_refused_on_a_base_with_qkv_bias():
-    from ftcore.config.schema import compose
-    from ftcore.errors import FtcoreError
-    from ftcore.peft.config import check_config
-
     with pytest.raises(FtcoreError, match="no bias") as e:
         check_config(compose(["+exp=qwen25_72b_lora", "peft=qlora", "precision=bf16"]))
     assert e.value.field == "peft.name"
