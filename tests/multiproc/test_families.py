@@ -118,18 +118,48 @@ def test_qwen3_tp2_pp2_and_checkpoint_export(pool4, built, tmp_path):
     _bit_identical(out, ref, "qwen3 tp2 x pp2 checkpoint")
 
 
+def lora_case(hf_dir: str, run_dir: str, x: torch.Tensor) -> dict:
+    """Worker: test_lora_oracle's case on all seven HF names without its checkpoint (the adapter
+    checkpoint path is family-independent): LoRA steps at TP=2, logits, loss, hf_adapter/, the
+    merged live export."""
+    from megatron.core import parallel_state as ps
+
+    from ftcore.data.pipeline import MicroBatch
+    from ftcore.hf.export import write_hf_model
+    from ftcore.peft.adapter_format import write_hf_adapter
+    from ftcore.peft.merge import live_merge_transform
+    from ftcore.training import trainer
+    from tests.multiproc.test_lora_oracle import ALL7, LORA, STEPS
+    from tests.support.hf_helpers import compose_hf, forward_logits
+    from tests.support.layouts import SyntheticLoader
+
+    targets = f"peft.target_modules=[{','.join(ALL7)}]"
+    cfg = compose_hf(hf_dir, run_dir, LORA + ["parallel.tp=2", targets])
+    state = trainer.setup(cfg, data=False)
+    state.loader = SyntheticLoader(cfg, ps.get_data_parallel_rank(), state.dp, 2048)
+    for _ in range(STEPS):
+        trainer.train_step(state)
+    inp, labels = x[:, :SEQ], x[:, 1:]
+    logits = forward_logits(state, inp)
+    mb = MicroBatch(tokens=inp, labels=labels, loss_mask=torch.ones(labels.shape),
+                    position_ids=torch.arange(SEQ).expand_as(inp),
+                    segment_ids=torch.ones(inp.shape, dtype=torch.int32), num_tokens=inp.numel())  # fmt: skip
+    loss_sum, n = trainer.run_batches(state, [mb], forward_only=True)
+    write_hf_adapter(state)
+    merged = write_hf_model(
+        state, transform=live_merge_transform(state), out=Path(run_dir) / "merged"
+    )
+    return {"logits": logits, "loss": loss_sum / n, "merged": str(merged)}
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_tp2_peft_oracle(family, pool2, built, tmp_path):
     from peft import PeftModel
 
-    from tests.multiproc.test_lora_oracle import ALL7, oracle_case
-
     path = built(family)["path"]
     x = tokens(batch=2, seq=SEQ + 1)
-    ours = next(
-        r for r in pool2.run(oracle_case, path, str(tmp_path), ALL7, x) if r["logits"] is not None
-    )
+    ours = next(r for r in pool2.run(lora_case, path, str(tmp_path), x) if r["logits"] is not None)
     peft_model = PeftModel.from_pretrained(hf_model(path), str(tmp_path / "hf_adapter")).eval()
     with torch.no_grad():
         want = peft_model(input_ids=x[:, :SEQ]).logits.float()
