@@ -278,3 +278,67 @@ def test_refused_template_exits_2_before_the_model_is_built(tmp_path):
     assert "ftcore error:" in r.stderr and "data.chat_template" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     assert "loaded model.init_path" not in r.stderr  # refused before the model was built
+
+
+# The assistant-turn logic of Qwen/Qwen3-32B's chat_template (its tools branches left out): an
+# assistant turn after the last user query gets a <think> block, earlier ones do not, so adding a
+# user turn re-renders the turns before it.
+QWEN3_TURNS = r"""{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+
+def test_qwen3_template_is_refused_not_mis_masked():
+    """Its renders are not prefixes of each other: no assistant mask can be cut from them, so the
+    renderer refuses it (exit 2 naming data.chat_template) rather than train on shifted targets."""
+    tok = AutoTokenizer.from_pretrained(str(bundled_tokenizer_dir()))
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = QWEN3_TURNS
+    with pytest.raises(FtcoreError, match="cannot be split into turns") as e:
+        Renderer(tok, "chat", None)
+    assert e.value.field == "data.chat_template"
+    Renderer(tok, "chat", "chatml")  # the same <|im_start|> format without think blocks
