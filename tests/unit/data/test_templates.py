@@ -342,3 +342,37 @@ def test_qwen3_template_is_refused_not_mis_masked():
         Renderer(tok, "chat", None)
     assert e.value.field == "data.chat_template"
     Renderer(tok, "chat", "chatml")  # the same <|im_start|> format without think blocks
+
+
+# mistralai/Mistral-7B-Instruct-v0.1 and v0.2's chat_template, verbatim: no generation prompt (the
+# user turn ends in [/INST], the answer follows directly), no system role.
+MISTRAL = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != "
+    "(loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
+    "user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+    "{{ message['content'] + eos_token}}{% else %}{{ raise_exception('Only user and assistant "
+    "roles are supported!') }}{% endif %}{% endfor %}"
+)
+
+
+def test_mistral_template_has_no_header_and_trains_on_answers_only():
+    """An assistant turn without any header is split at the answer itself: the ids are the
+    oracle's, the targets are each answer and its eos, the prompt ends at [/INST]. A system
+    message is a bad record (the template raises), not a silent mis-mask."""
+    from ftcore.data.templates import BadRecord
+
+    tok = AutoTokenizer.from_pretrained(str(bundled_tokenizer_dir()))
+    tok.chat_template = MISTRAL
+    r = Renderer(tok, "chat", None)
+    msgs = [m for m in CONVERSATIONS[2] if m["role"] != "system"]
+    doc = r.doc({"messages": msgs})
+    assert doc.ids.tolist() == _ids(tok.apply_chat_template(msgs, tokenize=True))
+    got = tok.decode([i for i, t in zip(doc.ids.tolist(), doc.targets.tolist()) if t])
+    answers = [m["content"] for m in msgs if m["role"] == "assistant"]
+    assert got == "".join(a + tok.eos_token for a in answers)
+    prompt, answer = r.prompt({"messages": msgs})
+    assert answer == answers[-1] and tok.decode(prompt).endswith(" [/INST]")
+    assert doc.ids.tolist()[: len(prompt)] == prompt
+    with pytest.raises(BadRecord, match="the chat template failed"):
+        r.doc({"messages": CONVERSATIONS[1]})
