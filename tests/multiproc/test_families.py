@@ -2,7 +2,8 @@
 
 Per family, kept to few runs (each multi-process run costs seconds of setup on 2 cores):
 - TP=2 (one 2-rank run): logits and `ftcore.eval`'s loss equal HF's to 1e-5 relative, and the live
-  export (hf_model/) is bit-identical to the source and loads in transformers;
+  export (hf_model/) is bit-identical to the source and loads in transformers (for Qwen2 also a
+  TP=2 checkpoint exported in one process: the q/k/v bias through dist_checkpointing);
 - TP=1 (one 1-rank run): logits and eval loss;
 - LoRA at TP=2 on all seven HF target names: PEFT loads the adapter on the transformers model and
   agrees with ftcore to 1e-5; the merge at TP=2 gives the PEFT model's logits (1e-4).
@@ -89,10 +90,18 @@ def _bit_identical(out: Path, ref: dict, what: str) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tp2_eval_and_export(family, pool2, built, tmp_path):
     ref = built(family)
+    save = family == "qwen2"  # the q/k/v bias through a TP=2 checkpoint too
     results = pool2.run(load_case, ref["path"], str(tmp_path), ["parallel.tp=2"], ref["x"],
-                        ref["data"], export=True)  # fmt: skip
+                        ref["data"], export=True, save=save)  # fmt: skip
     _check(results, ref, f"{family} tp2")
     _bit_identical(tmp_path / "hf_model", ref, f"{family} tp2")
+    if save:
+        from ftcore.export import resolve_step_dir, run_config
+        from ftcore.hf.export import export_checkpoint
+
+        step = resolve_step_dir(str(tmp_path))
+        out = export_checkpoint(step, run_config(step), tmp_path / "exported")
+        _bit_identical(out, ref, f"{family} tp2 checkpoint")
 
 
 @pytest.mark.dist
