@@ -85,14 +85,21 @@ def _check_supported(hf: dict, f: Path, field: str) -> None:
 
 
 def check_sliding_window(hf: dict, f: Path | str, seq_len: int | None) -> None:
-    """Refuse sliding-window attention where config.json turns it on and the window is shorter than
-    the sequence (HF masks keys window or more tokens back, so a window >= seq_len masks nothing).
-    Judged by the switches, not the key: Qwen2/3 carry `sliding_window` with
-    `use_sliding_window: false`; Mistral (no switch) slides whenever `sliding_window` is set."""
+    """Refuse sliding-window attention where config.json turns it on for some layer and the window
+    is shorter than the sequence (HF masks keys `window` or more tokens back, so a window >=
+    seq_len masks nothing). Judged by the switches, not the key: `layer_types` (transformers 5)
+    when present, else Qwen2/3's `use_sliding_window` (from layer `max_window_layers` on, as
+    transformers 4 applied it), else (Mistral, no switch) whether `sliding_window` is set. Qwen
+    configs carry `sliding_window` with `use_sliding_window: false`."""
     window = hf.get("sliding_window")
     types = hf.get("layer_types") or []
-    on = bool(hf.get("use_sliding_window")) or any(t != "full_attention" for t in types)
-    if "use_sliding_window" not in hf and not types:
+    if types:
+        on = any(t != "full_attention" for t in types)
+    elif "use_sliding_window" in hf:
+        first = hf.get("max_window_layers")
+        layers = hf.get("num_hidden_layers")
+        on = bool(hf["use_sliding_window"]) and (first is None or layers is None or first < layers)
+    else:
         on = window is not None
     if not on:
         return

@@ -148,13 +148,47 @@ def test_families_read_and_export_as_themselves(family, tmp_path):
             32,
             False,
         ),  # key, switched off
+        # transformers 4 configs (no layer_types): the switch, from layer max_window_layers on
         (
             "qwen2",
-            {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
+            {
+                "use_sliding_window": True,
+                "sliding_window": 8,
+                "max_window_layers": 0,
+                "layer_types": None,
+            },
             32,
             True,
         ),
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 64}, 32, False),  # longer than seq
+        (
+            "qwen2",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 8,
+                "max_window_layers": 4,
+                "layer_types": None,
+            },
+            32,
+            False,
+        ),  # no layer from max_window_layers on
+        (
+            "qwen2",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 64,
+                "max_window_layers": 0,
+                "layer_types": None,
+            },
+            32,
+            False,
+        ),  # longer than the sequence
+        # transformers 5: layer_types decide
+        (
+            "qwen3",
+            {"layer_types": ["full_attention", "sliding_attention"] * 2, "sliding_window": 8},
+            32,
+            True,
+        ),
         ("mistral", {"sliding_window": 16}, 32, True),  # Mistral v0.1: on whenever set
         ("mistral", {"sliding_window": 32}, 32, False),  # window = seq_len masks nothing
         ("mistral", {"sliding_window": None}, 32, False),  # Mistral Large 2: full attention
@@ -163,7 +197,7 @@ def test_families_read_and_export_as_themselves(family, tmp_path):
             {"layer_types": ["full_attention"] * 3 + ["sliding_attention"], "sliding_window": 4},
             32,
             True,
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_sliding_window_refused_when_on_and_shorter(family, change, seq_len, refused, tmp_path):
