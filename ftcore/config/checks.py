@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from ftcore.config.ranges import check_ranges
 from ftcore.errors import FtcoreError
+from ftcore.models.families import FAMILIES
 from ftcore.planner import cp
 from ftcore.planner.layers import split_layers
 
@@ -18,6 +19,7 @@ CHOICES = {
     # a2a+p2p needs megatron's hierarchical CP group sizes, not wired (the planner prices it)
     "parallel.cp_comm_type": ("p2p", "all_gather", "a2a"),
     "model.init_method": ("auto", "layout_independent", "sharded"),
+    "model.family": tuple(FAMILIES),
     "peft.name": ("none", "lora", "qlora"),
     "data.format": ("instruction", "chat", "text"),
     "data.truncate": ("right", "drop"),

@@ -61,6 +61,9 @@ class RopeScalingConfig:
 @dataclass
 class ModelConfig:
     name: str = MISSING
+    # llama | qwen2 (q/k/v biases) | qwen3 (q/k RMSNorm) | mistral: ftcore/models/families.py;
+    # read from config.json's `architectures` with model.hf_path
+    family: str = "llama"
     # a local HF directory: shapes, weights and tokenizer come from it
     hf_path: Optional[str] = None
     tokenizer: Optional[str] = None  # a tokenizer directory; default: hf_path, else the bundled one

@@ -69,6 +69,13 @@ class Doc:
         return len(self.ids)
 
 
+def _headerless(body: str, content: str) -> bool:
+    """An assistant turn with no header at all (Mistral's `[INST] q [/INST]` + answer + eos: the
+    user turn ends where the answer starts, so the template needs no generation prompt): its text
+    starts with the answer itself, up to whitespace, which then goes with the target."""
+    return bool(content.strip()) and body.lstrip().startswith(content.strip())
+
+
 def resolve_template(tokenizer, name: str | None) -> str:
     """data.chat_template: null (the tokenizer's own), llama3, chatml, or a file holding a template."""
     if name is None:
@@ -172,14 +179,14 @@ class Renderer:
                 gen = self._extend(
                     prev, self.render(messages[:k], True), k, "the generation prompt"
                 )
-                if gen == prev:
+                full = self._extend(gen, self.render(messages[: k + 1]), k, "the assistant turn")
+                if gen == prev and not _headerless(full[len(gen) :], msg["content"]):
                     raise FtcoreError(
                         "the chat template ignores add_generation_prompt, so the assistant header "
                         "cannot be separated from the assistant's answer",
                         field="data.chat_template",
                         fix="use a template with add_generation_prompt, or data.chat_template=llama3|chatml",
                     )
-                full = self._extend(gen, self.render(messages[: k + 1]), k, "the assistant turn")
                 body = full[len(gen) :]
                 answer = body.rstrip()  # whitespace after the end-of-turn token is not a target
                 segs += [

@@ -1,10 +1,11 @@
 """Hugging Face `config.json` <-> the `model` config section.
 
-Reading fills cfg.model from a local HF directory (shapes, GQA, head dim, vocab, rope theta and all
-four llama3 rope_scaling fields, rms eps, tied embeddings) and refuses what ftcore cannot represent
-exactly (other architectures, biases, other activations or rope types). Both the transformers 4.x
-(`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`) spellings are read; export writes the
-4.x spelling, which every version reads.
+Reading fills cfg.model from a local HF directory (family, shapes, GQA, head dim, vocab, rope theta
+and all four llama3 rope_scaling fields, rms eps, tied embeddings) and refuses what ftcore cannot
+represent exactly (other architectures and MoE, other activations or rope types, sliding-window
+attention that is on for the training length). The families are ftcore/models/families.py. Both the
+transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`) spellings are read;
+export writes the 4.x spelling, which every version reads.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
+from ftcore.models.families import BY_ARCHITECTURE, BY_MODEL_TYPE, FAMILIES, Family
 
-ARCHITECTURES = ("LlamaForCausalLM",)
+ARCHITECTURES = tuple(BY_ARCHITECTURE)
 ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
 def hf_dir(path: str, field: str = "model.hf_path") -> Path:
@@ -28,8 +31,9 @@ def hf_dir(path: str, field: str = "model.hf_path") -> Path:
     return p
 
 
-def read_hf_config(path: str, field: str = "model.hf_path") -> dict:
-    """config.json of an HF directory, checked to be a Llama ftcore can load exactly."""
+def read_hf_config(path: str, field: str = "model.hf_path", seq_len: int | None = None) -> dict:
+    """config.json of an HF directory, checked to be a model ftcore can load exactly (at sequences
+    of seq_len tokens: a sliding window at least that long changes nothing)."""
     f = hf_dir(path, field) / "config.json"
     if not f.is_file():
         raise FtcoreError(f"{f} is missing", field=field,
@@ -39,18 +43,30 @@ def read_hf_config(path: str, field: str = "model.hf_path") -> dict:
     except (OSError, ValueError) as e:
         raise FtcoreError(f"{f} is not valid JSON: {e}", field=field) from e
     _check_supported(hf, f, field)
+    check_sliding_window(hf, f, seq_len)
     return hf
+
+
+def hf_family(hf: dict) -> Family | None:
+    """The family of a config.json: its `architectures`, else its `model_type`."""
+    for a in hf.get("architectures") or []:
+        if a in BY_ARCHITECTURE:
+            return BY_ARCHITECTURE[a]
+    if not hf.get("architectures"):
+        return BY_MODEL_TYPE.get(hf.get("model_type"))
+    return None
 
 
 def _check_supported(hf: dict, f: Path, field: str) -> None:
     archs = hf.get("architectures") or []
-    if not any(a in ARCHITECTURES for a in archs) and not (
-        not archs and hf.get("model_type") == "llama"
-    ):
+    fam = hf_family(hf)
+    moe = [k for k in MOE_KEYS if hf.get(k)]
+    if fam is None or moe:
+        what = " (mixture of experts is not supported)" if moe else ""
         raise FtcoreError(
-            f"{f}: unsupported architecture {archs or hf.get('model_type')!r} (tensor names and "
-            f"shapes are mapped for {', '.join(ARCHITECTURES)} only)",
-            field=field, fix="use a Llama checkpoint (architectures: [LlamaForCausalLM])",
+            f"{f}: unsupported architecture {archs or hf.get('model_type')!r}{what}; tensor names "
+            f"and shapes are mapped for {', '.join(ARCHITECTURES)} only",
+            field=field, fix="use a dense checkpoint of one of those architectures",
         )  # fmt: skip
     bad = []
     if hf.get("hidden_act", "silu") != "silu":
@@ -64,8 +80,38 @@ def _check_supported(hf: dict, f: Path, field: str) -> None:
     if float(_rope_params(hf).get("partial_rotary_factor", 1.0)) != 1.0:
         bad.append("partial_rotary_factor != 1")
     if bad:
-        raise FtcoreError(f"{f}: unsupported Llama variant ({', '.join(bad)})", field=field,
-                          fix="ftcore maps plain Llama (SwiGLU, no biases, default or llama3 RoPE)")  # fmt: skip
+        raise FtcoreError(f"{f}: unsupported {fam.architecture} variant ({', '.join(bad)})", field=field,
+                          fix="ftcore maps SwiGLU, the family's own biases, default or llama3 RoPE")  # fmt: skip
+
+
+def check_sliding_window(hf: dict, f: Path | str, seq_len: int | None) -> None:
+    """Refuse sliding-window attention where config.json turns it on for some layer and the window
+    is shorter than the sequence (HF masks keys `window` or more tokens back, so a window >=
+    seq_len masks nothing). Judged by the switches, not the key: `layer_types` (transformers 5)
+    when present, else Qwen2/3's `use_sliding_window` (from layer `max_window_layers` on, as
+    transformers 4 applied it), else (Mistral, no switch) whether `sliding_window` is set. Qwen
+    configs carry `sliding_window` with `use_sliding_window: false`."""
+    window = hf.get("sliding_window")
+    types = hf.get("layer_types") or []
+    if types:
+        on = any(t != "full_attention" for t in types)
+    elif "use_sliding_window" in hf:
+        first = hf.get("max_window_layers")
+        layers = hf.get("num_hidden_layers")
+        on = bool(hf["use_sliding_window"]) and (first is None or layers is None or first < layers)
+    else:
+        on = window is not None
+    if not on:
+        return
+    if window is not None and seq_len is not None and int(window) >= seq_len:
+        return
+    at = f"data.seq_len={seq_len}" if seq_len is not None else "the sequence length"
+    raise FtcoreError(
+        f"{f}: sliding-window attention (window {window}) is on and shorter than {at}; ftcore "
+        "attends over the whole sequence, which would not be this model",
+        field="data.seq_len" if window is not None else "model.hf_path",
+        fix=f"use data.seq_len <= {window}" if window is not None else "use a full-attention model",
+    )  # fmt: skip
 
 
 def _rope_params(hf: dict) -> dict:
@@ -91,6 +137,7 @@ def model_fields(hf: dict, f: str = "config.json") -> dict:
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         out = {
+            "family": (hf_family(hf) or FAMILIES["llama"]).name,
             "num_layers": int(hf["num_hidden_layers"]),
             "hidden_size": hidden,
             "ffn_hidden_size": int(hf["intermediate_size"]),
@@ -120,7 +167,7 @@ def model_fields(hf: dict, f: str = "config.json") -> dict:
 
 def merge_hf_config(cfg: DictConfig) -> DictConfig:
     """Fill cfg.model from model.hf_path/config.json; the tokenizer defaults to the same directory."""
-    hf = read_hf_config(cfg.model.hf_path)
+    hf = read_hf_config(cfg.model.hf_path, seq_len=cfg.data.seq_len)
     fields = model_fields(hf, str(Path(cfg.model.hf_path) / "config.json"))
     from ftcore.config.schema import RopeScalingConfig
 
@@ -158,12 +205,14 @@ def hf_config_dict(model_cfg, *, dtype: str, tokenizer=None) -> dict:
         if tokenizer.eos_token_id is not None:
             base.setdefault("eos_token_id", tokenizer.eos_token_id)
     head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+    fam = FAMILIES[m.get("family") or "llama"]
+    if hf_family(base) is not fam:  # a source of another family: none of its keys apply
+        base = {k: base[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in base}
     base.update({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [fam.architecture],
+        "model_type": fam.model_type,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
+        **fam.export_keys,
         "num_hidden_layers": m.num_layers,
         "hidden_size": m.hidden_size,
         "intermediate_size": m.ffn_hidden_size,

@@ -229,8 +229,10 @@ def _global_names(s: mappings.Shapes) -> list[str]:
     """Every megatron parameter of the model (local-spec names), in model order."""
     names = ["embedding.word_embeddings.weight"]
     for i in range(s.layers):
-        p = f"decoder.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight",
-                  p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight",
+        p, a = f"decoder.layers.{i}.", f"decoder.layers.{i}.self_attention."
+        names += [p + "input_layernorm.weight", a + "linear_qkv.weight"]
+        names += [a + "linear_qkv.bias"] if s.qkv_bias else []
+        names += [a + "q_layernorm.weight", a + "k_layernorm.weight"] if s.qk_norm else []
+        names += [a + "linear_proj.weight", p + "pre_mlp_layernorm.weight",
                   p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]  # fmt: skip
     return names + ["decoder.final_layernorm.weight", "output_layer.weight"]

@@ -85,7 +85,7 @@ class SafetensorsDir:
     def entry(self, name: str) -> tuple[Path, dict]:
         if name not in self.files:
             raise FtcoreError(f"tensor {name} is not in {self.root}", field=self.field,
-                              fix="is this a Llama checkpoint matching its config.json?")  # fmt: skip
+                              fix="is this checkpoint the one its config.json describes?")  # fmt: skip
         path = self.files[name]
         header = self._header(path, name)
         if name not in header:
@@ -193,7 +193,7 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
         mp = mappings.resolve(name, shapes.tie)
         if mp is None:
             raise FtcoreError(f"parameter {name} has no Hugging Face counterpart", field=field,
-                              fix="load HF weights before adding adapters; only Llama layers are mapped")  # fmt: skip
+                              fix="load HF weights before adding adapters; only the layers of ftcore/models/families.py are mapped")  # fmt: skip
         pieces = mappings.shard_pieces(
             mp, info=shard_info(name, p, tp), s=shapes, tp_rank=tp_rank, tp=tp
         )
@@ -228,7 +228,7 @@ def _fill_rows(st: SafetensorsDir, name: str, dst: torch.Tensor, pieces, field: 
         itemsize = torch.empty((), dtype=DTYPES.get(meta["dtype"], torch.float32)).element_size()
         for block in _blocks(piece, meta["shape"], itemsize):
             t = st.read(block)
-            rows = dst[row : row + t.shape[0]] if dst.dim() > 1 else dst
+            rows = dst[row : row + t.shape[0]]  # 1-D too: a TP shard of the q/k/v bias
             if tuple(t.shape) != tuple(rows.shape):
                 raise FtcoreError(f"{name}: {block.hf} rows {block.rows} give {tuple(t.shape)}, the "
                                   f"parameter's slice is {tuple(rows.shape)}", field=field)  # fmt: skip

@@ -1,10 +1,12 @@
-"""Declarative ftcore (megatron) <-> Hugging Face Llama tensor mapping.
+"""Declarative ftcore (megatron) <-> Hugging Face tensor mapping (Llama and the families of
+models/families.py: Qwen2's q/k/v biases fuse like the weights, Qwen3's per-head q/k norms are
+replicated [head_dim] weights).
 
 Each rule names one megatron parameter (by its layout-independent global name, see
 models/sharding.py), the HF tensors it is made of and how:
 - `direct`: the same tensor (norms, o_proj, down_proj);
 - `vocab`:  the same rows, padded with zero rows to the TP-padded vocab (embedding, lm_head);
-- `qkv`:    megatron's fused `linear_qkv`, laid out per query group:
+- `qkv`:    megatron's fused `linear_qkv` (weight or bias), laid out per query group:
             [q heads of group 0, k of group 0, v of group 0, q heads of group 1, ...];
 - `glu`:    megatron's `linear_fc1` = [gate; up] (TP shards each half separately).
 `shard_pieces` says which rows/columns of which HF tensors make one TP rank's shard (so a rank reads
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ftcore.models.families import family
 from ftcore.models.sharding import ShardInfo
 
 L = "model.layers.{i}."
@@ -37,6 +40,10 @@ RULES = (
     Rule("decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight", (L + "input_layernorm.weight",), "direct"),
     Rule("decoder.layers.{i}.self_attention.linear_qkv.weight",
          (L + "self_attn.q_proj.weight", L + "self_attn.k_proj.weight", L + "self_attn.v_proj.weight"), "qkv"),
+    Rule("decoder.layers.{i}.self_attention.linear_qkv.bias",
+         (L + "self_attn.q_proj.bias", L + "self_attn.k_proj.bias", L + "self_attn.v_proj.bias"), "qkv"),
+    Rule("decoder.layers.{i}.self_attention.q_layernorm.weight", (L + "self_attn.q_norm.weight",), "direct"),
+    Rule("decoder.layers.{i}.self_attention.k_layernorm.weight", (L + "self_attn.k_norm.weight",), "direct"),
     Rule("decoder.layers.{i}.self_attention.linear_proj.weight", (L + "self_attn.o_proj.weight",), "direct"),
     Rule("decoder.layers.{i}.pre_mlp_layernorm.weight", (L + "post_attention_layernorm.weight",), "direct"),
     Rule("decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight", (L + "post_attention_layernorm.weight",), "direct"),
@@ -63,12 +70,15 @@ class Shapes:
     vocab: int
     layers: int
     tie: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
 
     @classmethod
     def from_cfg(cls, m) -> Shapes:
+        f = family(m)
         return cls(m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups,
                    m.kv_channels or m.hidden_size // m.num_attention_heads, m.vocab_size, m.num_layers,
-                   bool(m.tie_embeddings))  # fmt: skip
+                   bool(m.tie_embeddings), f.qkv_bias, f.qk_layernorm)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -102,12 +112,17 @@ def resolve(name: str, tie: bool) -> Mapped | None:
 
 
 def hf_shape(hf_name: str, s: Shapes) -> tuple[int, ...]:
-    """The full shape an HF Llama tensor must have under cfg.model."""
+    """The full shape an HF tensor must have under cfg.model."""
+    if hf_name.endswith(("q_norm.weight", "k_norm.weight")):
+        return (s.head_dim,)
     if hf_name.endswith("norm.weight"):
         return (s.hidden,)
     if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
         return (s.vocab, s.hidden)
     suffix = hf_name.rsplit(".", 2)[-2]
+    if hf_name.endswith(".bias"):
+        return {"q_proj": (s.heads * s.head_dim,), "k_proj": (s.groups * s.head_dim,),
+                "v_proj": (s.groups * s.head_dim,)}[suffix]  # fmt: skip
     return {
         "q_proj": (s.heads * s.head_dim, s.hidden),
         "k_proj": (s.groups * s.head_dim, s.hidden),
@@ -124,10 +139,15 @@ def hf_names(s: Shapes) -> list[str]:
     names = ["model.embed_tokens.weight"]
     for i in range(s.layers):
         p = L.format(i=i)
-        names += [p + "input_layernorm.weight", p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                  p + "self_attn.v_proj.weight", p + "self_attn.o_proj.weight",
-                  p + "post_attention_layernorm.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
-                  p + "mlp.down_proj.weight"]  # fmt: skip
+        names += [p + "input_layernorm.weight"]
+        for x in ("q", "k", "v"):
+            names.append(p + f"self_attn.{x}_proj.weight")
+            if s.qkv_bias:
+                names.append(p + f"self_attn.{x}_proj.bias")
+        if s.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        names += [p + "self_attn.o_proj.weight", p + "post_attention_layernorm.weight",
+                  p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"]  # fmt: skip
     names.append("model.norm.weight")
     if not s.tie:
         names.append("lm_head.weight")
@@ -181,10 +201,11 @@ def to_hf(mp: Mapped, full: torch.Tensor, s: Shapes) -> dict[str, torch.Tensor]:
         gate, up = full.chunk(2, dim=0)
         return {mp.hf[0]: gate, mp.hf[1]: up}
     per, d = s.heads // s.groups, s.head_dim
-    grouped = full.reshape(s.groups, (per + 2) * d, -1)
+    rest = tuple(full.shape[1:])  # () for the bias
+    grouped = full.reshape(s.groups, (per + 2) * d, *rest)
     q, k, v = grouped.split([per * d, d, d], dim=1)
-    return {mp.hf[0]: q.reshape(-1, full.shape[-1]), mp.hf[1]: k.reshape(-1, full.shape[-1]),
-            mp.hf[2]: v.reshape(-1, full.shape[-1])}  # fmt: skip
+    return {mp.hf[0]: q.reshape(-1, *rest), mp.hf[1]: k.reshape(-1, *rest),
+            mp.hf[2]: v.reshape(-1, *rest)}  # fmt: skip
 
 
 def from_hf(
@@ -200,7 +221,8 @@ def from_hf(
     if kind == "glu":
         return torch.cat([tensors[mp.hf[0]], tensors[mp.hf[1]]])
     per, d = s.heads // s.groups, s.head_dim
-    q = tensors[mp.hf[0]].reshape(s.groups, per * d, -1)
-    k = tensors[mp.hf[1]].reshape(s.groups, d, -1)
-    v = tensors[mp.hf[2]].reshape(s.groups, d, -1)
-    return torch.cat([q, k, v], dim=1).reshape(-1, q.shape[-1])
+    rest = tuple(tensors[mp.hf[0]].shape[1:])  # () for the bias
+    q = tensors[mp.hf[0]].reshape(s.groups, per * d, *rest)
+    k = tensors[mp.hf[1]].reshape(s.groups, d, *rest)
+    v = tensors[mp.hf[2]].reshape(s.groups, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)

@@ -11,6 +11,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from omegaconf import DictConfig
 
 from ftcore.models import rope
+from ftcore.models.families import family_flags, local_qk_norms
 from ftcore.models.local import swiglu
 from ftcore.models.local.attention import SdpaAttention
 from ftcore.models.local.norm import RMSNorm
@@ -46,7 +47,7 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        **family_flags(m),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=m.init_std,
@@ -112,6 +113,7 @@ def layer_spec(cfg: DictConfig, config: TransformerConfig, *, on_cpu: bool, vp_s
             return spec
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     norm = ModuleSpec(module=RMSNorm)
+    local_qk_norms(spec, cfg.model, norm)
     spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     spec.submodules.input_layernorm = norm
     spec.submodules.pre_mlp_layernorm = norm

@@ -221,6 +221,13 @@ def check_config(cfg: DictConfig) -> None:
             f"QLoRA keeps the frozen base in NF4, so it cannot also run {cfg.precision.name}",
             field="precision", fix="use peft=lora with FP8/FP4, or peft=qlora with precision=bf16",
         )  # fmt: skip
+    from ftcore.models.families import family
+
+    if p.name == "qlora" and family(cfg.model).qkv_bias:
+        raise FtcoreError(
+            f"QLoRA's NF4 base linears have no bias; {cfg.model.family} has q/k/v biases",
+            field="peft.name", fix="use peft=lora on this model",
+        )  # fmt: skip
     s = settings(cfg)
     if s.r <= 0:
         raise FtcoreError(f"rank must be > 0, got {s.r}", field="peft.r", fix="use e.g. peft.r=16")

@@ -1,8 +1,11 @@
 """Which parameters one rank holds: names, element counts, trainable or frozen, linear or not.
 
 Derived from the model shapes and the layout alone (no torch), in megatron's registration order
-(embedding, then per layer input norm, QKV, out projection, MLP norm, fc1, fc2, then final norm and
-output layer), so the DDP buffer layout and its padding can be replayed exactly in `memory.py`.
+(embedding, then per layer input norm, out projection, QKV weight and bias, q/k norms, MLP norm,
+fc1, fc2, each linear followed by its adapters, then final norm and output layer), so the DDP
+buffer layout and its padding can be replayed exactly in `memory.py`. The family's extras
+(models/families.py: Qwen2's q/k/v bias, Qwen3's [head_dim] q/k norms) are counted like megatron
+allocates them.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from ftcore.models.families import family
 from ftcore.planner.layers import split_layers
 
 # The Hugging Face slices of each megatron linear, in fused order (as ftcore.peft.config.SLICES).
@@ -30,7 +34,7 @@ class Param:
     name: str  # stage-local name, e.g. layers.3.linear_fc1 (global layer index)
     numel: int  # elements on this rank
     trainable: bool
-    kind: str  # embedding | norm | linear | output | lora
+    kind: str  # embedding | norm | linear | bias | output | lora
     layer: int = -1  # global transformer layer index (-1 outside the layers)
 
 
@@ -117,12 +121,18 @@ def _layer_template(cfg: DictConfig, tp: int) -> list[tuple[str, int, bool, str]
     full = cfg.peft.name == "none"
     plan = lora_plan(cfg)
     shapes = linear_shapes(m, tp)
+    fam = family(m)
+    d = m.kv_channels or m.hidden_size // m.num_attention_heads
     out = [("input_layernorm", h, full, "norm")]
-    for name in LINEARS:
+    for name in ("linear_proj", "linear_qkv", "linear_fc1", "linear_fc2"):
         if name == "linear_fc1":
+            if fam.qk_layernorm:  # replicated over TP: one [head_dim] weight each
+                out += [("q_layernorm", d, full, "norm"), ("k_layernorm", d, full, "norm")]
             out.append(("pre_mlp_layernorm", h, full, "norm"))
         o, i = shapes[name]
         out.append((name, o * i, full, "linear"))
+        if name == "linear_qkv" and fam.qkv_bias:  # sharded like the weight's rows
+            out.append(("linear_qkv.bias", o, full, "bias"))
         for pname, n in lora_params(m, name, plan.get(name, {}), cfg.peft.r, tp):
             out.append((f"{name}.{pname}", n, True, "lora"))
     return out
@@ -166,6 +176,11 @@ def total_params(cfg: DictConfig) -> int:
     m = cfg.model
     base = linear_shapes(m, 1)
     per_layer = 2 * m.hidden_size + sum(o * i for o, i in base.values())
+    fam = family(m)
+    per_layer += base["linear_qkv"][0] if fam.qkv_bias else 0
+    per_layer += (
+        2 * (m.kv_channels or m.hidden_size // m.num_attention_heads) if fam.qk_layernorm else 0
+    )
     per_layer += sum(
         n for t, sl in lora_plan(cfg).items() for _, n in lora_params(m, t, sl, cfg.peft.r, 1)
     )

@@ -32,6 +32,10 @@ CASES = {
             "peft.target_modules=[k_proj,linear_fc2]",
         ],
         ["peft=lora", "parallel.pp=2", "parallel.vp=2", f"peft.target_modules=[{ALL}]"],
+        # the families' extras (q/k/v bias, [head_dim] q/k norms) inside the DDP buffer's shards
+        ["model.family=qwen2", "parallel.tp=2", "parallel.distributed_optimizer=true", *ODD],
+        ["model.family=qwen3", "model.kv_channels=24", "parallel.distributed_optimizer=true"],
+        ["model.family=qwen2", "peft=lora", "parallel.tp=2", f"peft.target_modules=[{ALL}]"],
     ],
     4: [
         ["parallel.tp=2", "parallel.distributed_optimizer=true", "precision=bf16"],

@@ -1,6 +1,10 @@
-"""A tiny random Hugging Face Llama made in a temp dir (GQA, llama3 rope scaling with all four fields
+"""A tiny random Hugging Face model made in a temp dir (GQA, llama3 rope scaling with all four fields
 away from megatron's defaults, a vocab size TP does not divide) and worker-side cases that load it
-into ftcore under a layout and return logits, the eval loss and an exported hf_model/."""
+into ftcore under a layout and return logits, the eval loss and an exported hf_model/.
+
+`family` picks the transformers class (ftcore/models/families.py): llama (the default), qwen2
+(random q/k/v biases), qwen3 (random q/k norms, head_dim != hidden / heads), mistral (a sliding
+window longer than the test sequences, which changes nothing)."""
 
 from __future__ import annotations
 
@@ -18,38 +22,57 @@ ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0, "high_freq
 SEQ = 32
 
 
-def hf_config(vocab: int = VOCAB, tie: bool = False, **over):
-    from transformers import LlamaConfig
+FAMILY_KW = {
+    "llama": {},
+    "qwen2": {"use_sliding_window": False, "sliding_window": 16},  # the key is there, switched off
+    "qwen3": {"head_dim": 32, "attention_bias": False},  # q dim 128 != hidden 64
+    "mistral": {"sliding_window": 256},  # >= every test sequence: not refused, masks nothing
+}
+
+
+def config_class(family: str = "llama"):
+    import transformers
+
+    return getattr(transformers, {"llama": "LlamaConfig", "qwen2": "Qwen2Config",
+                                  "qwen3": "Qwen3Config", "mistral": "MistralConfig"}[family])  # fmt: skip
+
+
+def hf_config(vocab: int = VOCAB, tie: bool = False, family: str = "llama", **over):
+    LlamaConfig = config_class(family)  # noqa: N806 - a class
 
     kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=2032, eos_token_id=2033)  # fmt: skip
+    kw.update(FAMILY_KW[family])
     kw.update(over)
-    rope = dict(ROPE, rope_theta=5000.0)
+    scaling = ROPE if family == "llama" else {"rope_type": "default"}  # the others: plain RoPE
     if "rope_parameters" in getattr(LlamaConfig, "__dataclass_fields__", {}) or hasattr(
         LlamaConfig(), "rope_parameters"
     ):
-        kw["rope_parameters"] = rope
+        kw["rope_parameters"] = dict(scaling, rope_theta=5000.0)
     else:
-        kw.update(rope_theta=5000.0, rope_scaling=ROPE)
+        kw.update(rope_theta=5000.0, rope_scaling=scaling if family == "llama" else None)
     return LlamaConfig(**kw)
 
 
 @torch.no_grad()
 def make_tiny_hf(path: str | Path, *, tie: bool = False, seed: int = 0, max_shard_size: str = "150KB",
-                 **over) -> Path:  # fmt: skip
-    """Random Llama with O(1) activations (so a mapping error shows in the logits), saved in shards
+                 family: str = "llama", **over) -> Path:  # fmt: skip
+    """Random model with O(1) activations (so a mapping error shows in the logits), saved in shards
     with an index, plus a Llama-3 base tokenizer (eos = <|end_of_text|>)."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ftcore.data.tokenizer import bundled_tokenizer_dir
 
     path = Path(path)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(hf_config(tie=tie, **over)).float().eval()
+    model = AutoModelForCausalLM.from_config(hf_config(tie=tie, family=family, **over))
+    model = model.float().eval()
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        elif name.endswith(".bias"):
+            p.copy_(0.5 * torch.randn_like(p))
         elif "embed_tokens" in name:
             p.copy_(torch.randn_like(p))
         else:
@@ -62,9 +85,9 @@ def make_tiny_hf(path: str | Path, *, tie: bool = False, seed: int = 0, max_shar
 
 
 def hf_model(path):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 def tokens(batch: int = 2, seq: int = SEQ, seed: int = 1) -> torch.Tensor:
@@ -165,8 +188,9 @@ def forward_logits(state, x: torch.Tensor):
 
 
 def load_case(hf_dir: str, run_dir: str, overrides: list[str], x: torch.Tensor, data: str | None = None,
-              export: bool = False) -> dict:  # fmt: skip
-    """Worker: load the HF model under a layout; logits (rank 0 of the last stage), eval, export."""
+              export: bool = False, save: bool = False) -> dict:  # fmt: skip
+    """Worker: load the HF model under a layout; logits (rank 0 of the last stage), eval, export,
+    a checkpoint of the layout (step_0)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -187,6 +211,10 @@ def load_case(hf_dir: str, run_dir: str, overrides: list[str], x: torch.Tensor, 
         from ftcore.hf.export import write_hf_model
 
         out["export"] = str(write_hf_model(state))
+    if save:
+        from ftcore.checkpoint import store
+
+        store.save(state)
     return out
 
 

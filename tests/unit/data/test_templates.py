@@ -39,6 +39,64 @@ CHATML_MARKED = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# Qwen/Qwen2.5-72B-Instruct's tokenizer_config.json chat_template, verbatim (JSON-decoded): ChatML
+# with Qwen's default system prompt when the conversation has none, and tool calls.
+QWEN25 = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}],
     [
@@ -76,12 +134,18 @@ def setups(tmp_path_factory):
     qwen = AutoTokenizer.from_pretrained(str(bundled_tokenizer_dir()))
     qwen.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     qwen.chat_template = CHATML_TEMPLATE
+    qwen25 = AutoTokenizer.from_pretrained(
+        str(bundled_tokenizer_dir())
+    )  # Qwen's own special tokens
+    qwen25.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    qwen25.chat_template = QWEN25
     return [
         ("bundled", bundled, None),
         ("meta-llama3", meta, None),
         ("llama3", bundled, "llama3"),
         ("chatml", bundled, "chatml"),
         ("chatml-special", qwen, None),
+        ("qwen2.5", qwen25, None),
     ]
 
 
@@ -214,3 +278,101 @@ def test_refused_template_exits_2_before_the_model_is_built(tmp_path):
     assert "ftcore error:" in r.stderr and "data.chat_template" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     assert "loaded model.init_path" not in r.stderr  # refused before the model was built
+
+
+# The assistant-turn logic of Qwen/Qwen3-32B's chat_template (its tools branches left out): an
+# assistant turn after the last user query gets a <think> block, earlier ones do not, so adding a
+# user turn re-renders the turns before it.
+QWEN3_TURNS = r"""{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+
+def test_qwen3_template_is_refused_not_mis_masked():
+    """Its renders are not prefixes of each other: no assistant mask can be cut from them, so the
+    renderer refuses it (exit 2 naming data.chat_template) rather than train on shifted targets."""
+    tok = AutoTokenizer.from_pretrained(str(bundled_tokenizer_dir()))
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = QWEN3_TURNS
+    with pytest.raises(FtcoreError, match="cannot be split into turns") as e:
+        Renderer(tok, "chat", None)
+    assert e.value.field == "data.chat_template"
+    Renderer(tok, "chat", "chatml")  # the same <|im_start|> format without think blocks
+
+
+# mistralai/Mistral-7B-Instruct-v0.1 and v0.2's chat_template, verbatim: no generation prompt (the
+# user turn ends in [/INST], the answer follows directly), no system role.
+MISTRAL = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != "
+    "(loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
+    "user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+    "{{ message['content'] + eos_token}}{% else %}{{ raise_exception('Only user and assistant "
+    "roles are supported!') }}{% endif %}{% endfor %}"
+)
+
+
+def test_mistral_template_has_no_header_and_trains_on_answers_only():
+    """An assistant turn without any header is split at the answer itself: the ids are the
+    oracle's, the targets are each answer and its eos, the prompt ends at [/INST]. A system
+    message is a bad record (the template raises), not a silent mis-mask."""
+    from ftcore.data.templates import BadRecord
+
+    tok = AutoTokenizer.from_pretrained(str(bundled_tokenizer_dir()))
+    tok.chat_template = MISTRAL
+    r = Renderer(tok, "chat", None)
+    msgs = [m for m in CONVERSATIONS[2] if m["role"] != "system"]
+    doc = r.doc({"messages": msgs})
+    assert doc.ids.tolist() == _ids(tok.apply_chat_template(msgs, tokenize=True))
+    got = tok.decode([i for i, t in zip(doc.ids.tolist(), doc.targets.tolist()) if t])
+    answers = [m["content"] for m in msgs if m["role"] == "assistant"]
+    assert got == "".join(a + tok.eos_token for a in answers)
+    prompt, answer = r.prompt({"messages": msgs})
+    assert answer == answers[-1] and tok.decode(prompt).endswith(" [/INST]")
+    assert doc.ids.tolist()[: len(prompt)] == prompt
+    with pytest.raises(BadRecord, match="the chat template failed"):
+        r.doc({"messages": CONVERSATIONS[1]})

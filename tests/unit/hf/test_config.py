@@ -53,8 +53,16 @@ def test_transformers4_spelling():
     "change,needle",
     [
         (
-            {"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
+            {"architectures": ["GemmaForCausalLM"], "model_type": "gemma"},
             "unsupported architecture",
+        ),
+        (
+            {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"},
+            "unsupported architecture",
+        ),
+        (
+            {"architectures": ["MistralForCausalLM"], "num_local_experts": 8},
+            "mixture of experts is not supported",
         ),
         ({"attention_bias": True}, "attention_bias"),
         ({"hidden_act": "gelu"}, "hidden_act"),
@@ -100,3 +108,116 @@ def test_cli_exit_2_without_config_json(tmp_path):
     from ftcore.eval import task
 
     assert main("eval", task, [f"model.hf_path={tmp_path}"]) == 2
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_families_read_and_export_as_themselves(family, tmp_path):
+    """Each family's config.json gives its model.family (and Qwen3 its head dim apart from
+    hidden / heads); the exported config.json is that architecture again, same shapes."""
+    from transformers import AutoConfig
+
+    src = tmp_path / "src"
+    hf_config(family=family).save_pretrained(str(src))
+    cfg = merge_hf_config(compose([f"model.hf_path={src}"]))
+    assert cfg.model.family == family
+    assert cfg.model.kv_channels == (32 if family == "qwen3" else 16)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(hf_config_dict(cfg.model, dtype="float32")))
+    back, ref = AutoConfig.from_pretrained(str(out)), AutoConfig.from_pretrained(str(src))
+    arch = {
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "mistral": "MistralForCausalLM",
+    }
+    assert type(back) is type(ref) and back.architectures == [arch[family]]
+    for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+              "num_key_value_heads", "vocab_size", "rms_norm_eps", "tie_word_embeddings"):  # fmt: skip
+        assert getattr(back, k) == getattr(ref, k), k
+    assert model_fields(json.loads((out / "config.json").read_text())) == model_fields(
+        json.loads((src / "config.json").read_text())
+    )
+
+
+@pytest.mark.parametrize(
+    "family,change,seq_len,refused",
+    [
+        (
+            "qwen2",
+            {"use_sliding_window": False, "sliding_window": 8},
+            32,
+            False,
+        ),  # key, switched off
+        # transformers 4 configs (no layer_types): the switch, from layer max_window_layers on
+        (
+            "qwen2",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 8,
+                "max_window_layers": 0,
+                "layer_types": None,
+            },
+            32,
+            True,
+        ),
+        (
+            "qwen2",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 8,
+                "max_window_layers": 4,
+                "layer_types": None,
+            },
+            32,
+            False,
+        ),  # no layer from max_window_layers on
+        (
+            "qwen2",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 64,
+                "max_window_layers": 0,
+                "layer_types": None,
+            },
+            32,
+            False,
+        ),  # longer than the sequence
+        # transformers 5: layer_types decide
+        (
+            "qwen3",
+            {"layer_types": ["full_attention", "sliding_attention"] * 2, "sliding_window": 8},
+            32,
+            True,
+        ),
+        ("mistral", {"sliding_window": 16}, 32, True),  # Mistral v0.1: on whenever set
+        ("mistral", {"sliding_window": 32}, 32, False),  # window = seq_len masks nothing
+        ("mistral", {"sliding_window": None}, 32, False),  # Mistral Large 2: full attention
+        (
+            "llama",
+            {"layer_types": ["full_attention"] * 3 + ["sliding_attention"], "sliding_window": 4},
+            32,
+            True,
+        ),
+    ],
+)
+def test_sliding_window_refused_when_on_and_shorter(family, change, seq_len, refused, tmp_path):
+    conf = hf_config(family=family).to_dict()
+    conf.update(change)
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    cfg = compose([f"model.hf_path={tmp_path}", f"data.seq_len={seq_len}"])
+    if not refused:
+        merge_hf_config(cfg)
+        return
+    with pytest.raises(FtcoreError, match="sliding-window attention") as e:
+        merge_hf_config(cfg)
+    assert e.value.field == "data.seq_len" and "data.seq_len <=" in str(e.value)
+
+
+def test_family_of_a_model_section_without_hf_path():
+    """conf/model files name their family; an unknown one is refused at the config checks."""
+    from ftcore.config.checks import check_choices
+
+    assert compose(["model=qwen3_32b"]).model.family == "qwen3"
+    with pytest.raises(FtcoreError) as e:
+        check_choices(compose(["model.family=gemma"]))
+    assert e.value.field == "model.family"

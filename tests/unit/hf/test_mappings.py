@@ -9,7 +9,10 @@ import torch
 from ftcore.hf import mappings
 from ftcore.models.sharding import ShardInfo, take_shard
 
-S = mappings.Shapes(hidden=16, ffn=24, heads=8, groups=4, head_dim=4, vocab=37, layers=2, tie=False)
+# every family's tensors at once: q/k/v biases (Qwen2) and [head_dim] q/k norms (Qwen3), with a
+# head dim apart from hidden / heads (8 x 6 = 48 != 16)
+S = mappings.Shapes(hidden=16, ffn=24, heads=8, groups=4, head_dim=6, vocab=37, layers=2, tie=False,
+                    qkv_bias=True, qk_norm=True)  # fmt: skip
 
 
 def _hf_tensors(s: mappings.Shapes) -> dict[str, torch.Tensor]:
@@ -33,6 +36,9 @@ CASES = [  # (global name, partition dim under TP)
     ("decoder.layers.1.input_layernorm.weight", None),
     ("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight", None),
     ("decoder.layers.1.self_attention.linear_qkv.weight", 0),
+    ("decoder.layers.1.self_attention.linear_qkv.bias", 0),
+    ("decoder.layers.0.self_attention.q_layernorm.weight", None),
+    ("decoder.layers.0.self_attention.k_layernorm.weight", None),
     ("decoder.layers.1.self_attention.linear_proj.weight", 1),
     ("decoder.layers.0.pre_mlp_layernorm.weight", None),
     ("decoder.layers.0.mlp.linear_fc1.weight", 0),

@@ -118,3 +118,10 @@ def test_mismatched_adapter_exits_2(tmp_path, capsys):
     ad = adapter_dir(tmp_path / "ad", ["q_proj"], hidden=128)
     assert _exit(["peft=lora", f"peft.adapter_path={ad}"]) == 2
     assert "another base" in capsys.readouterr().err
+
+
+def test_qlora_refused_on_a_base_with_qkv_bias():
+    with pytest.raises(FtcoreError, match="no bias") as e:
+        check_config(compose(["+exp=qwen25_72b_lora", "peft=qlora", "precision=bf16"]))
+    assert e.value.field == "peft.name"
+    check_config(compose(["+exp=qwen25_72b_lora"]))  # LoRA is fine

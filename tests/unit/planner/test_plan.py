@@ -15,7 +15,7 @@ from ftcore.planner import memory, params
 from ftcore.planner.memory import GiB
 from ftcore.planner.search import search
 
-BIG = ["8b_lora", "70b_lora", "70b_fp8", "70b_full", "405b_lora", "405b_full"]
+BIG = ["8b_lora", "70b_lora", "70b_fp8", "70b_full", "405b_lora", "405b_full", "qwen25_72b_lora"]
 KEYS = {"memory_gib", "stages", "fits", "num_gpus", "gpus_needed", "tokens_per_s_per_gpu",
         "model_tflops_per_gpu", "mfu"}  # fmt: skip
 
@@ -88,6 +88,17 @@ def test_parameter_counts_match_the_published_models(model, billions):
     assert params.total_params(compose([f"model={model}"])) / 1e9 == pytest.approx(
         billions, abs=1e-3
     )
+
+
+@pytest.mark.parametrize(
+    "model,count",
+    # total_size / 2 of each bf16 checkpoint's model.safetensors.index.json on the Hub
+    [("qwen25_72b", 72_706_203_648), ("qwen3_32b", 32_762_123_264),
+     ("mistral_large_123b", 122_610_069_504)],
+)  # fmt: skip
+def test_family_parameter_counts_are_exact(model, count):
+    """q/k/v biases (Qwen2) and [head_dim] q/k norms with head_dim != hidden / heads (Qwen3)."""
+    assert params.total_params(compose([f"model={model}"])) == count
 
 
 def test_distributed_optimizer_shards_the_optimizer_over_dp():

@@ -1,0 +1,65 @@
+"""The model families ftcore maps: what sets each apart from Llama, in one table.
+
+`model.family` names a row. The flags turn on megatron-core's own switches (`add_qkv_bias`,
+`qk_layernorm`) in models/llama.py; the planner counts the extra parameters (planner/params.py);
+the HF mapping adds the extra tensors (hf/mappings.py); hf/config.py reads and writes the
+architecture name and `model_type`. Everything else (SwiGLU, RMSNorm, RoPE, GQA, an explicit head
+dim) is shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ftcore.errors import FtcoreError
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # model.family
+    architecture: str  # HF config.json `architectures`
+    model_type: str  # HF config.json `model_type`
+    qkv_bias: bool = False  # q/k/v projections have biases (o_proj and the MLP none)
+    qk_layernorm: bool = False  # RMSNorm over each q and k head (one [head_dim] weight each)
+    # config.json keys export writes (besides the shapes) so transformers builds the same model
+    export_keys: dict = field(default_factory=dict)
+
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("llama", "LlamaForCausalLM", "llama",
+               export_keys={"attention_bias": False, "mlp_bias": False}),
+        Family("qwen2", "Qwen2ForCausalLM", "qwen2", qkv_bias=True),
+        Family("qwen3", "Qwen3ForCausalLM", "qwen3", qk_layernorm=True,
+               export_keys={"attention_bias": False}),
+        Family("mistral", "MistralForCausalLM", "mistral"),
+    )
+}  # fmt: skip
+BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}
+BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES.values()}
+
+
+def family(m) -> Family:
+    """The row of cfg.model (`model.family`, default llama)."""
+    name = m.get("family", "llama") if hasattr(m, "get") else getattr(m, "family", "llama")
+    try:
+        return FAMILIES[name or "llama"]
+    except KeyError:
+        raise FtcoreError(f"unknown model family {name!r}", field="model.family",
+                          fix=f"use one of {', '.join(FAMILIES)}") from None  # fmt: skip
+
+
+def family_flags(m) -> dict:
+    """megatron TransformerConfig switches of the family (models/llama.transformer_config)."""
+    f = family(m)
+    return {"add_qkv_bias": f.qkv_bias, "qk_layernorm": f.qk_layernorm}
+
+
+def local_qk_norms(spec, m, norm) -> None:
+    """Put ftcore's RMSNorm (models/local/norm.py) on q and k in megatron's local layer spec when
+    the family normalises each head (megatron builds it with hidden_size = head dim and sums its
+    gradient over the TP group itself: finalize_model_grads, `qk_layernorm`)."""
+    if family(m).qk_layernorm:
+        spec.submodules.self_attention.submodules.q_layernorm = norm
+        spec.submodules.self_attention.submodules.k_layernorm = norm
