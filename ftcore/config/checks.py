@@ -123,8 +123,8 @@ def check_sequence(cfg: DictConfig) -> None:
     mult = sequence_multiple(p)
     if s % mult:
         raise FtcoreError(
-            f"seq_len={s} must divide by {mult}: by 2*cp (context parallel chunks) and by cp*tp "
-            "with sp (each CP rank's share split over TP)",
+            f"seq_len={s} must divide by {mult}: 2*cp context-parallel chunks (at cp > 1), each "
+            "split over tp under sp",
             field="data.seq_len",
             fix=f"use a multiple of {mult}, e.g. {-(-s // mult) * mult}",
         )

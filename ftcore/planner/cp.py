@@ -20,8 +20,6 @@ These rules are validation's too (config/checks.py) and the layout search's (sea
 
 from __future__ import annotations
 
-import math
-
 COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 SEARCHED = ("p2p", "all_gather", "a2a")  # a2a+p2p needs megatron's hierarchical CP sizes
 
@@ -33,8 +31,9 @@ def comm_type(parallel) -> str:
 
 def seq_multiple(tp: int, sp: bool, cp: int) -> int:
     """What data.seq_len (and every trimmed row) must divide by: the 2*cp chunks of context
-    parallelism (data/cp.py), and each CP rank's share split over the TP ranks under SP."""
-    return math.lcm(2 * cp if cp > 1 else 1, cp * (tp if sp else 1))
+    parallelism (data/cp.py), each split over the TP ranks under SP (the multiple Megatron-Bridge
+    pads to; a little stricter than lcm(2*cp, cp*tp), which the math alone needs)."""
+    return (tp if sp else 1) * (2 * cp if cp > 1 else 1)
 
 
 def a2a_size(model, tp: int, cp: int, comm: str, nvlink_domain: int = 8) -> int:
