@@ -22,8 +22,7 @@ from megatron.core.models.gpt import GPTModel
 from omegaconf import DictConfig
 
 from ftcore.models import init as model_init
-from ftcore.models import speed
-from ftcore.models import target_logits
+from ftcore.models import speed, target_logits
 from ftcore.models.llama import layer_spec, padded_vocab_size, transformer_config
 from ftcore.planner.params import init_method
 from ftcore.precision import recipes

@@ -10,8 +10,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from omegaconf import DictConfig
 
-from ftcore.models import rope
-from ftcore.models import speed
+from ftcore.models import rope, speed
 from ftcore.models.local.attention import SdpaAttention
 from ftcore.models.local.norm import RMSNorm
 from ftcore.peft.qlora import defer_base_linears

@@ -52,6 +52,11 @@ class Shape:
     targets_frac: float = 1.0  # positions the last stage computes logits at (target_logits.py)
     mlp_picks: bool = False  # the last layer's MLP runs at those positions only
     attn_picks: bool = False  # and its attention's queries and output projection (local spec)
+    recompute_modules: tuple[str, ...] = ("core_attn",)  # what selective recompute recomputes
+
+    def recomputes(self, module: str) -> bool:
+        """Selective recompute of `module` (core_attn | mlp | layernorm): parallel.recompute_modules."""
+        return self.recompute == "selective" and module in self.recompute_modules
 
     @property
     def target_tokens(self) -> int:
@@ -101,6 +106,7 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
         mlp_picks=mlp_picks,
         # SdpaAttention serves the rows only when they are at most half the slots (attention.py)
         attn_picks=mlp_picks and not te and p.recompute == "none" and 2 * targets_frac <= 1.0,
+        recompute_modules=tuple(getattr(p, "recompute_modules", ("core_attn",))),
     )
 
 
@@ -125,7 +131,7 @@ def layer_parts(sh: Shape) -> dict[str, int]:
         # output) as they are, its output, the fp32 logsumexp and the mask as an additive
         # [b, 1, s, s] tensor in the activation dtype.
         qkv_saved = T * (sh.q + sh.kv) // t * ab + T * (sh.q + 2 * sh.kv) // t * ab
-        parts["core_attn"] = qkv_saved + (0 if sh.recompute == "selective" else _sdpa(sh))
+        parts["core_attn"] = qkv_saved + (0 if sh.recomputes("core_attn") else _sdpa(sh))
         parts["proj"] = T * sh.q // t * ab if _keeps_input(sh, "linear_proj") else 0
         parts["mlp_norm"] = norm
         parts["fc1"] = T * hs * ab if _keeps_input(sh, "linear_fc1") else 0
@@ -142,9 +148,9 @@ def layer_parts(sh: Shape) -> dict[str, int]:
         lse = sh.b * (sh.a // t) * sh.sl * 4
         qkv = T * (sh.q + 2 * sh.kv) // t * ab
         out = T * sh.q // t * ab
-        parts["core_attn"] = qkv + (0 if sh.recompute == "selective" else out + lse)
+        parts["core_attn"] = qkv + (0 if sh.recomputes("core_attn") else out + lse)
         proj_in = T * sh.q // t * (1 if sh.fp8 else 0)  # bf16: the attention output itself
-        if sh.recompute == "selective" and not sh.fp8:
+        if sh.recomputes("core_attn") and not sh.fp8:
             proj_in = T * sh.q // t * ab
         parts["proj"] = proj_in if _keeps_input(sh, "linear_proj") else 0
         parts["mlp_norm"] = 0
@@ -153,7 +159,11 @@ def layer_parts(sh: Shape) -> dict[str, int]:
         parts["fc2"] = T * sh.f // t * lin_b if _keeps_input(sh, "linear_fc2") else 0
     # Adapters keep A·x for B's gradient: [s, b, r] per A after the column gather, [s(/tp), b, r]
     # after the row reduction.
-    parts["lora"] = sum(_lora_saved(sh, module, n_a) for module, n_a in sh.lora_a) * ab
+    lora = [(module, n_a) for module, n_a in sh.lora_a]
+    if sh.recomputes("mlp"):  # the MLP keeps only its input; fc1/fc2 adapters recompute too
+        parts.update(mlp_norm=0, fc1=T * hs * ab, swiglu=0, fc2=0)
+        lora = [(module, n_a) for module, n_a in lora if module not in MLP_LINEARS]
+    parts["lora"] = sum(_lora_saved(sh, module, n_a) for module, n_a in lora) * ab
     return parts
 
 

@@ -47,7 +47,7 @@ class Collector:
         self.collections = 0
         self._was_enabled = gc.isenabled()
 
-    def __enter__(self) -> "Collector":
+    def __enter__(self) -> Collector:
         if self.on:
             gc.disable()
             self.collect()
