@@ -77,6 +77,10 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
         cpu.activate()
     # 4. megatron's parallel state (dp is what tp·pp·cp leave) and seeds (CPU + megatron's RNG tracker).
     rdist.init_model_parallel(cfg, info.world)
+    if info.device.type == "cuda" and cfg.parallel.tp_comm_overlap:
+        from ftcore.runtime import userbuffers
+
+        userbuffers.initialize(cfg)  # TE's TP-overlap buffers, before the model (models/speed.py)
     torch.manual_seed(cfg.run.seed)
     with cpu.device_mode():
         model_parallel_cuda_manual_seed(cfg.run.seed)
