@@ -172,12 +172,17 @@ def check(cfg: DictConfig) -> None:
     dtype = torch.bfloat16 if cfg.precision.params_dtype == "bf16" else torch.float32
     kw = transformer_kwargs(cfg, on_cpu=on_cpu)
     kw["gradient_accumulation_fusion"] = False  # megatron checks it by importing the kernels
+    if cfg.precision.fp8_recipe == "delayed":  # megatron's FP8 x recompute rules (the other
+        from ftcore.precision import recipes  # recipes' rules ask TE's version: on target)
+
+        kw.update(fp8=recipes.fp8_format(cfg), fp8_recipe="delayed")
     try:
         TransformerConfig(
             num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
             num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
             normalization="RMSNorm", gated_linear_unit=True, activation_func=_silu(),
-            add_bias_linear=False, tensor_model_parallel_size=p.tp,
+            add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+            tensor_model_parallel_size=p.tp,
             pipeline_model_parallel_size=p.pp, context_parallel_size=p.cp,
             virtual_pipeline_model_parallel_size=p.vp if p.vp > 1 else None,
             sequence_parallel=p.sp, params_dtype=dtype, pipeline_dtype=dtype,
