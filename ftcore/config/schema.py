@@ -103,7 +103,8 @@ class ParallelConfig:
     # with the distributed optimizer, the parameter all-gather per bucket during the next forward
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
-    # interleaved pipeline: sends/receives left in flight during compute (batch_p2p_comm off)
+    # interleaved pipeline (pp > 1, vp > 1; a no-op elsewhere): sends/receives left in flight
+    # during compute (batch_p2p_comm off)
     overlap_p2p_comm: bool = False
     # GPU: TP/SP collectives split and hidden behind the GEMMs by TE userbuffers (needs tp > 1,
     # parallel.sp, TE and fixed sequence shapes)

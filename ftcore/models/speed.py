@@ -40,6 +40,8 @@ def transformer_kwargs(cfg: DictConfig, *, on_cpu: bool) -> dict[str, Any]:
     from ftcore.precision import recipes
 
     p, f = cfg.parallel, cfg.perf
+    # only the interleaved schedule overlaps its sends: elsewhere the flag is a no-op (as in
+    # Megatron-Bridge), so a layout change to pp=1 or vp=1 needs no second override
     overlap_p2p = bool(p.overlap_p2p_comm and p.pp > 1 and p.vp > 1)
     kw: dict[str, Any] = dict(
         overlap_p2p_comm=overlap_p2p,
@@ -102,10 +104,6 @@ def _check_rules(cfg: DictConfig) -> None:
         _refuse("overlap_param_gather overlaps the distributed optimizer's parameter all-gather; "
                 "without parallel.distributed_optimizer there is none", "parallel.overlap_param_gather",
                 "set parallel.distributed_optimizer=true, or parallel.overlap_param_gather=false")  # fmt: skip
-    if p.overlap_p2p_comm and (p.pp < 2 or p.vp < 2):
-        _refuse(f"only the interleaved pipeline schedule overlaps its sends (pp={p.pp}, vp={p.vp})",
-                "parallel.overlap_p2p_comm", "set parallel.pp>1 and parallel.vp>1, or "
-                "parallel.overlap_p2p_comm=false")  # fmt: skip
     if f.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
         _refuse(f"{f.grad_reduce_dtype!r} is not one of {', '.join(GRAD_REDUCE_DTYPES)}",
                 "perf.grad_reduce_dtype", "perf.grad_reduce_dtype=fp32")  # fmt: skip

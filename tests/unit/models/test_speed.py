@@ -26,7 +26,6 @@ def _refused(overrides: list[str]) -> FtcoreError:
         (["parallel.tp=1", "parallel.sp=false"], "parallel.tp_comm_overlap"),
         (["data.packing=false", "data.trim_padding=true"], "parallel.tp_comm_overlap"),
         (["peft=qlora", "precision=bf16"], "parallel.tp_comm_overlap"),  # local layers, no TE
-        (["parallel.vp=1"], "parallel.overlap_p2p_comm"),  # nothing to overlap without interleaving
         (["parallel.distributed_optimizer=false", "parallel.overlap_param_gather=true"],
          "parallel.overlap_param_gather"),
         (["parallel.recompute=selective", "parallel.recompute_modules=[attention]"],
@@ -82,6 +81,10 @@ def test_gpu_fields_as_megatron_gets_them():
     assert cpu["overlap_p2p_comm"] and not cpu["batch_p2p_comm"]
     off = speed.transformer_kwargs(compose(GPU + ["parallel.overlap_p2p_comm=false"]), on_cpu=False)
     assert off["batch_p2p_comm"] and not off["overlap_p2p_comm"]
+    for no_interleaving in (["parallel.vp=1"], ["parallel.pp=1", "parallel.vp=1"]):  # a no-op there
+        flat = compose(GPU + no_interleaving)
+        speed.check(flat)
+        assert not speed.transformer_kwargs(flat, on_cpu=False)["overlap_p2p_comm"]
     full = speed.transformer_kwargs(
         compose(GPU + ["parallel.recompute=full", "parallel.recompute_num_layers=2"]), on_cpu=False
     )
