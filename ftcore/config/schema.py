@@ -106,8 +106,8 @@ class ParallelConfig:
     # interleaved pipeline (pp > 1, vp > 1; a no-op elsewhere): sends/receives left in flight
     # during compute (batch_p2p_comm off)
     overlap_p2p_comm: bool = False
-    # GPU: TP/SP collectives split and hidden behind the GEMMs by TE userbuffers (needs tp > 1,
-    # parallel.sp, TE and fixed sequence shapes)
+    # GPU: TP/SP collectives split and hidden behind the GEMMs by TE userbuffers (with tp > 1:
+    # needs parallel.sp, TE and fixed sequence shapes; a no-op at tp = 1)
     tp_comm_overlap: bool = False
 
 

@@ -48,7 +48,7 @@ def transformer_kwargs(cfg: DictConfig, *, on_cpu: bool) -> dict[str, Any]:
         # megatron forbids both; on CPU gloo matches batched isend/irecv between the same two
         # ranks out of order, so the CPU path never batches (runtime/cpu.py orders open sends)
         batch_p2p_comm=not on_cpu and not overlap_p2p,
-        tp_comm_overlap=bool(p.tp_comm_overlap and not on_cpu),
+        tp_comm_overlap=bool(p.tp_comm_overlap and p.tp > 1 and not on_cpu),
         bias_activation_fusion=bool(
             f.bias_activation_fusion and (swiglu.use_cpu_swiglu() if on_cpu else True)
         ),
@@ -114,7 +114,7 @@ def _check_rules(cfg: DictConfig) -> None:
         _refuse(f"{f.cuda_graphs!r} is not one of {', '.join(CUDA_GRAPHS)}", "perf.cuda_graphs",
                 "perf.cuda_graphs=transformer_engine (or none)")  # fmt: skip
     gpu_only = {
-        "parallel.tp_comm_overlap": p.tp_comm_overlap,
+        "parallel.tp_comm_overlap": p.tp_comm_overlap and p.tp > 1,
         "perf.gradient_accumulation_fusion": f.gradient_accumulation_fusion,
         "perf.cuda_graphs": f.cuda_graphs != "none",
     }
@@ -122,8 +122,8 @@ def _check_rules(cfg: DictConfig) -> None:
         if on and not on_gpu:
             _refuse(f"{key} is a GPU option (Transformer Engine) but cluster.device=cpu", key,
                     f"leave {key} at its default on CPU; ftcore.plan prices it for a GPU cluster")  # fmt: skip
-    if p.tp_comm_overlap:
-        if p.tp < 2 or not p.sp:
+    if p.tp_comm_overlap and p.tp > 1:  # tp=1: no TP traffic, a no-op (layout search, tp=1 runs)
+        if not p.sp:
             _refuse(f"TE userbuffers overlap the sequence-parallel all-gathers and reduce-scatters "
                     f"of tensor parallelism (tp={p.tp}, sp={p.sp})", "parallel.tp_comm_overlap",
                     "set parallel.tp>1 and parallel.sp=true, or parallel.tp_comm_overlap=false")  # fmt: skip
@@ -207,7 +207,7 @@ def check_device(cfg: DictConfig, te_version) -> None:
         return
     p, f = cfg.parallel, cfg.perf
     for key, on in {
-        "parallel.tp_comm_overlap": p.tp_comm_overlap,
+        "parallel.tp_comm_overlap": p.tp_comm_overlap and p.tp > 1,
         "perf.cuda_graphs": f.cuda_graphs != "none",
     }.items():
         if on:

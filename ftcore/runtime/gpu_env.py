@@ -27,12 +27,11 @@ BASE = {
 
 def max_connections(cfg) -> str:
     """CUDA_DEVICE_MAX_CONNECTIONS. Hopper has to issue kernels in order for megatron's TP/SP
-    communication to start before the GEMM that needs it (and for TE userbuffers): 1 with TP > 1
-    or tp_comm_overlap. Otherwise, and on Blackwell (compute capability >= 10, whose overlap does
+    communication to start before the GEMM that needs it (and for TE userbuffers): 1 with TP > 1. Otherwise, and on Blackwell (compute capability >= 10, whose overlap does
     not rely on launch order), 32 lets independent streams (DP and pipeline traffic) run side by side."""
     cc = cfg.cluster.compute_capability or 9.0
     p = cfg.parallel
-    if cc < 10.0 and (p.tp > 1 or p.tp_comm_overlap):
+    if cc < 10.0 and p.tp > 1:
         return "1"
     return "32"
 

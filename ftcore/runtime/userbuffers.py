@@ -24,7 +24,7 @@ def initialize(cfg: DictConfig) -> bool:
     megatron's parallel state, before the model). False when the option is off or on CPU."""
     global _initialized
     p = cfg.parallel
-    if not p.tp_comm_overlap or cfg.cluster.device == "cpu" or _initialized:
+    if not p.tp_comm_overlap or p.tp < 2 or cfg.cluster.device == "cpu" or _initialized:
         return _initialized
     import torch
     from transformer_engine.pytorch.module.base import initialize_ub

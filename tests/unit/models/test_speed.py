@@ -23,7 +23,6 @@ def _refused(overrides: list[str]) -> FtcoreError:
     "overrides, field",
     [
         (["parallel.sp=false"], "parallel.tp_comm_overlap"),  # userbuffers need SP
-        (["parallel.tp=1", "parallel.sp=false"], "parallel.tp_comm_overlap"),
         (["data.packing=false", "data.trim_padding=true"], "parallel.tp_comm_overlap"),
         (["peft=qlora", "precision=bf16"], "parallel.tp_comm_overlap"),  # local layers, no TE
         (["parallel.distributed_optimizer=false", "parallel.overlap_param_gather=true"],
@@ -81,6 +80,9 @@ def test_gpu_fields_as_megatron_gets_them():
     assert cpu["overlap_p2p_comm"] and not cpu["batch_p2p_comm"]
     off = speed.transformer_kwargs(compose(GPU + ["parallel.overlap_p2p_comm=false"]), on_cpu=False)
     assert off["batch_p2p_comm"] and not off["overlap_p2p_comm"]
+    tp1 = compose(GPU + ["parallel.tp=1", "parallel.sp=false"])  # no TP traffic: a no-op
+    speed.check(tp1)
+    assert not speed.transformer_kwargs(tp1, on_cpu=False)["tp_comm_overlap"]
     for no_interleaving in (["parallel.vp=1"], ["parallel.pp=1", "parallel.vp=1"]):  # a no-op there
         flat = compose(GPU + no_interleaving)
         speed.check(flat)
