@@ -122,6 +122,15 @@ def elementwise_bytes(sh: act.Shape) -> float:
     return T * (3 * fwd + cast)
 
 
+def unfused_swiglu_bytes(cfg: DictConfig, sh: act.Shape) -> float:
+    """perf.bias_activation_fusion=false on GPU: silu and the product as separate kernels, each
+    reading and writing [tokens, ffn/tp] once more, forward and backward (the fused kernel is what
+    elementwise_bytes counts, and what the calibration rows ran)."""
+    if cfg.cluster.device == "cpu" or getattr(cfg.perf, "bias_activation_fusion", True):
+        return 0.0
+    return sh.tokens * 3 * 2 * sh.f / sh.tp * sh.ab
+
+
 def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
     """(compute seconds, exposed TP/CP seconds) of one micro-batch on one pipeline rank."""
     c, p = cfg.cluster, cfg.parallel
@@ -136,6 +145,7 @@ def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
     t += w.attention / attn_rate
     hbm = max(c.hbm_gbps, 1e-3) * 1e9 * HBM_EFFICIENCY
     t += w.layers * elementwise_bytes(sh) / hbm
+    t += w.layers * unfused_swiglu_bytes(cfg, sh) / hbm
     if pp_rank == p.pp - 1:
         t += sh.target_tokens * sh.vocab / sh.tp * 20 / hbm  # logits, fp32 softmax, its gradient
     passes = 2 + (1 if p.recompute == "full" else 0)

@@ -239,6 +239,8 @@ def test_turning_an_overlap_off_plans_slower():
     assert no_tp["tokens_per_s_per_gpu"] <= 0.99 * shipped
     no_p2p = throughput(compose(["+exp=70b_fp8", "parallel.overlap_p2p_comm=false"]), 8)
     assert no_p2p["time"].pp_comm_s > throughput(compose(["+exp=70b_fp8"]), 8)["time"].pp_comm_s
+    unfused = throughput(compose(["+exp=70b_fp8", "perf.bias_activation_fusion=false"]), 8)
+    assert unfused["tokens_per_s_per_gpu"] < shipped
     dp = ["+exp=70b_full", "cluster=h100", "cluster.num_gpus=64", "parallel.overlap_grad_reduce=true",
           "parallel.overlap_param_gather=true"]  # fmt: skip
     on = throughput(compose(dp), 64)["time"]
