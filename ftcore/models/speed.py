@@ -52,9 +52,13 @@ def transformer_kwargs(cfg: DictConfig, *, on_cpu: bool) -> dict[str, Any]:
         bias_activation_fusion=bool(
             f.bias_activation_fusion and (swiglu.use_cpu_swiglu() if on_cpu else True)
         ),
-        # TE's layers accumulate wgrads into main_grad themselves; megatron's local ones would need apex
+        # TE's layers accumulate wgrads into main_grad themselves, but megatron's own output layer
+        # (ColumnParallelLinear) refuses the flag without apex's kernel: on only with both
         gradient_accumulation_fusion=bool(
-            f.gradient_accumulation_fusion and not on_cpu and recipes.use_te(cfg)
+            f.gradient_accumulation_fusion
+            and not on_cpu
+            and recipes.use_te(cfg)
+            and wgrad_kernel_present()
         ),
     )
     if f.cuda_graphs != "none" and not on_cpu:
@@ -68,6 +72,14 @@ def transformer_kwargs(cfg: DictConfig, *, on_cpu: bool) -> dict[str, Any]:
             recompute_num_layers=p.recompute_num_layers,
         )
     return kw
+
+
+def wgrad_kernel_present() -> bool:
+    """apex's fused_weight_gradient_mlp_cuda (NVIDIA's PyTorch images ship it), which megatron's
+    non-TE linears need for gradient-accumulation fusion (as Megatron-Bridge checks it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
 def ddp_config_kwargs(cfg: DictConfig) -> dict[str, Any]:
