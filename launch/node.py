@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     procs = [
         subprocess.Popen(
             info["worker_cmd"],
-            env=slurm_env.worker_env(layout, r, env, gpu),
+            env=slurm_env.worker_env(layout, r, env, gpu, cfg),
             preexec_fn=_ignore_usr2,
         )
         for r in range(layout.nproc_per_node)

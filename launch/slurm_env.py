@@ -130,7 +130,9 @@ def cpus_available() -> int:
         return os.cpu_count() or 1
 
 
-# Defaults a user's environment may override (setdefault): what megatron and NCCL need on GPU.
+# Defaults a user's environment may override (setdefault): what megatron and NCCL need on GPU
+# when no config was composed (--no-check); with one, ftcore.runtime.gpu_env chooses per GPU
+# generation and overlap setting.
 GPU_ENV_DEFAULTS = {
     "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # megatron's TP/SP communication overlap relies on it
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # a failed collective ends the process, not a hang
@@ -150,11 +152,19 @@ TASK_VARS = (
 )
 
 
-def worker_env(layout: Layout, local_rank: int, base: dict[str, str], gpu: bool) -> dict[str, str]:
-    """The torchrun-style environment of one worker (what ftcore.runtime reads)."""
+def worker_env(
+    layout: Layout, local_rank: int, base: dict[str, str], gpu: bool, cfg=None
+) -> dict[str, str]:
+    """The torchrun-style environment of one worker (what ftcore.runtime reads); on GPU with the
+    job's config, the variables of ftcore.runtime.gpu_env."""
     env = {k: v for k, v in base.items() if k not in TASK_VARS}
-    for k, v in {**COMMON_ENV_DEFAULTS, **(GPU_ENV_DEFAULTS if gpu else {})}.items():
+    gpu_defaults = GPU_ENV_DEFAULTS if gpu and cfg is None else {}
+    for k, v in {**COMMON_ENV_DEFAULTS, **gpu_defaults}.items():
         env.setdefault(k, v)
+    if gpu and cfg is not None:
+        from ftcore.runtime import gpu_env
+
+        gpu_env.apply(env, cfg, layout.nnodes)
     env.setdefault("OMP_NUM_THREADS", str(max(1, cpus_available() // layout.nproc_per_node)))
     env.update(
         RANK=str(layout.node_rank * layout.nproc_per_node + local_rank),

@@ -189,7 +189,7 @@ def task(cfg: DictConfig) -> int | None:
     if not dist.under_launcher() and cfg.launcher.nproc_per_node > 1:
         checks.validate(cfg, cfg.launcher.nproc_per_node)
         return dist.launch_local_workers(
-            "ftcore.bench.worker", sys.argv[1:], cfg.launcher.nproc_per_node
+            "ftcore.bench.worker", sys.argv[1:], cfg.launcher.nproc_per_node, cfg
         )
     try:
         state = trainer.setup(cfg)

@@ -236,6 +236,9 @@ def check_layout(
     from ftcore.precision import hardware
 
     check_divisibility(cfg)
+    from ftcore.models import speed
+
+    speed.check(cfg)  # overlap, recompute, fusions, CUDA graphs: ftcore's rules, then megatron's
     from ftcore.peft.config import check_config as check_peft
 
     check_peft(cfg)  # targets, rank, QLoRA x FP8/FP4, an adapter_path that fits the model
@@ -243,6 +246,9 @@ def check_layout(
         preflight.check_target_hardware(cfg)
     elif training:
         hardware.check_hardware(cfg, device)
+        dev = device or hardware.this_device()
+        if dev.cuda:
+            speed.check_device(cfg, dev.te_version)  # userbuffers, CUDA graphs: TE on this GPU
     world = world_size_of(cfg, launched)
     if training:
         planner.check_fit(cfg, world)

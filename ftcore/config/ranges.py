@@ -74,6 +74,8 @@ RANGES: dict[str, Range] = {
     "parallel.pp": AT_LEAST_1,
     "parallel.vp": AT_LEAST_1,
     "parallel.cp": AT_LEAST_1,
+    "parallel.recompute_num_layers": AT_LEAST_1,
+    "perf.manual_gc_interval": Range(0, note="0 = one collection, at the start"),
     "train.max_steps": AT_LEAST_1,
     "train.epochs": Range(0, lo_open=True, note="null = train.max_steps decides"),
     "train.global_batch_size": AT_LEAST_1,

@@ -102,6 +102,32 @@ class ParallelConfig:
     sp: bool = False  # sequence parallel, only with tp > 1
     distributed_optimizer: bool = False
     recompute: str = "none"  # none | selective | full
+    # selective: what is recomputed (megatron's recompute_modules): core_attn | mlp | layernorm
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    recompute_num_layers: int = 1  # full: layers per recomputed block (uniform method)
+    # communication overlap (docs/gpu_speed.md): DP gradient reduce per bucket during the backward;
+    # with the distributed optimizer, the parameter all-gather per bucket during the next forward
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    # interleaved pipeline (pp > 1, vp > 1; a no-op elsewhere): sends/receives left in flight
+    # during compute (batch_p2p_comm off)
+    overlap_p2p_comm: bool = False
+    # GPU: TP/SP collectives split and hidden behind the GEMMs by TE userbuffers (with tp > 1:
+    # needs parallel.sp, TE and fixed sequence shapes; a no-op at tp = 1)
+    tp_comm_overlap: bool = False
+
+
+@dataclass
+class PerfConfig:
+    """Kernel fusions, gradient-reduce dtype, garbage collection, CUDA graphs (docs/gpu_speed.md)."""
+
+    bias_activation_fusion: bool = True  # one SwiGLU kernel (megatron's on GPU, ftcore's on CPU)
+    gradient_accumulation_fusion: bool = False  # GPU (TE): wgrad GEMMs accumulate into main_grad
+    grad_reduce_dtype: str = "fp32"  # fp32 | bf16: dtype of the grad buffers and DP reduction
+    manual_gc: bool = False  # Python GC off, a collection every manual_gc_interval steps instead
+    manual_gc_interval: int = 0  # steps between collections; 0 = one at the start only
+    cuda_graphs: str = "none"  # none | transformer_engine (GPU, fixed shapes)
+    cuda_graph_scope: list[str] = field(default_factory=lambda: ["mlp"])  # attn | mlp
 
 
 @dataclass
@@ -313,6 +339,7 @@ class FtcoreConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sched: SchedConfig = field(default_factory=SchedConfig)

@@ -22,7 +22,7 @@ from megatron.core.models.gpt import GPTModel
 from omegaconf import DictConfig
 
 from ftcore.models import init as model_init
-from ftcore.models import target_logits
+from ftcore.models import speed, target_logits
 from ftcore.models.llama import layer_spec, padded_vocab_size, transformer_config
 from ftcore.planner.params import init_method
 from ftcore.precision import recipes
@@ -123,8 +123,8 @@ def wrap_ddp(cfg: DictConfig, chunks: list[GPTModel]):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        # grad dtype, overlapped DP reduce / param gather (models/speed.py)
+        **speed.ddp_config_kwargs(cfg),
         use_distributed_optimizer=cfg.parallel.distributed_optimizer,
         check_for_nan_in_grad=False,
         bucket_size=None,

@@ -10,9 +10,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from omegaconf import DictConfig
 
-from ftcore.models import rope
+from ftcore.models import rope, speed
 from ftcore.models.families import family_flags, local_qk_norms
-from ftcore.models.local import swiglu
 from ftcore.models.local.attention import SdpaAttention
 from ftcore.models.local.norm import RMSNorm
 from ftcore.peft.qlora import defer_base_linears
@@ -71,9 +70,6 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
         init_method=_no_init,
         output_layer_init_method=_no_init,
         embedding_init_method=_no_init,
-        gradient_accumulation_fusion=False,
-        # on CPU megatron's fused bias-SwiGLU hook runs ftcore.models.local.swiglu (no bias here)
-        bias_activation_fusion=on_cpu and swiglu.use_cpu_swiglu(),
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         # fused RoPE: ftcore.models.rope.apply_rope on CPU, TE's kernels on GPU (no per-layer
@@ -82,17 +78,11 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
         deallocate_pipeline_outputs=not on_cpu,
-        # gloo matches batched isend/irecv between the same two ranks out of order (pp=2 with
-        # interleaving sends both directions to one peer); megatron's ordered p2p path is exact.
-        batch_p2p_comm=not on_cpu,
         **split_layers(m.num_layers, p.pp, p.vp).megatron_flags(),
+        # overlap, fusions (on CPU megatron's bias-SwiGLU hook runs models/local/swiglu.py), p2p
+        # batching, recompute, CUDA graphs: models/speed.py
+        **speed.transformer_kwargs(cfg, on_cpu=on_cpu),
     )
-    if p.recompute == "selective":
-        kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
-    elif p.recompute == "full":
-        kwargs.update(
-            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-        )
     if not on_cpu:
         from ftcore.precision import recipes
 

@@ -58,6 +58,11 @@ class Shape:
     cp: int = 1
     cp_comm: str = "p2p"  # parallel.cp_comm_type (cp.py)
     a2a: int = 1  # CP ranks one all-to-all spans
+    recompute_modules: tuple[str, ...] = ("core_attn",)  # what selective recompute recomputes
+
+    def recomputes(self, module: str) -> bool:
+        """Selective recompute of `module` (core_attn | mlp | layernorm): parallel.recompute_modules."""
+        return self.recompute == "selective" and module in self.recompute_modules
 
     @property
     def target_tokens(self) -> int:
@@ -116,6 +121,7 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
         cp=p.cp,
         cp_comm=comm,
         a2a=cp.a2a_size(m, p.tp, p.cp, comm, cfg.cluster.nvlink_domain or 1),
+        recompute_modules=tuple(getattr(p, "recompute_modules", ("core_attn",))),
     )
 
 
@@ -142,7 +148,7 @@ def layer_parts(sh: Shape) -> dict[str, int]:
         qkv_saved = T * (sh.q + sh.kv) // t * ab + T * (sh.q + 2 * sh.kv) // t * ab
         if sh.cp > 1:  # all-gather attention: the rotated local queries, K/V of the whole sequence
             qkv_saved = T * sh.q // t * ab + sh.b * sh.s * 2 * sh.kv // t * ab
-        parts["core_attn"] = qkv_saved + (0 if sh.recompute == "selective" else _sdpa(sh))
+        parts["core_attn"] = qkv_saved + (0 if sh.recomputes("core_attn") else _sdpa(sh))
         parts["proj"] = T * sh.q // t * ab if _keeps_input(sh, "linear_proj") else 0
         parts["mlp_norm"] = norm
         parts["fc1"] = T * hs * ab if _keeps_input(sh, "linear_fc1") else 0
@@ -159,9 +165,9 @@ def layer_parts(sh: Shape) -> dict[str, int]:
         lse = sh.b * (sh.a // t) * sh.sl * 4
         qkv = T * (sh.q + 2 * sh.kv) // t * ab
         out = T * sh.q // t * ab
-        parts["core_attn"] = qkv + (0 if sh.recompute == "selective" else out + lse)
+        parts["core_attn"] = qkv + (0 if sh.recomputes("core_attn") else out + lse)
         proj_in = T * sh.q // t * (1 if sh.fp8 else 0)  # bf16: the attention output itself
-        if sh.recompute == "selective" and not sh.fp8:
+        if sh.recomputes("core_attn") and not sh.fp8:
             proj_in = T * sh.q // t * ab
         parts["proj"] = proj_in if _keeps_input(sh, "linear_proj") else 0
         parts["mlp_norm"] = 0
@@ -170,7 +176,11 @@ def layer_parts(sh: Shape) -> dict[str, int]:
         parts["fc2"] = T * sh.f // t * lin_b if _keeps_input(sh, "linear_fc2") else 0
     # Adapters keep A·x for B's gradient: [s, b, r] per A after the column gather, [s(/tp), b, r]
     # after the row reduction.
-    parts["lora"] = sum(_lora_saved(sh, module, n_a) for module, n_a in sh.lora_a) * ab
+    lora = [(module, n_a) for module, n_a in sh.lora_a]
+    if sh.recomputes("mlp"):  # the MLP keeps only its input; fc1/fc2 adapters recompute too
+        parts.update(mlp_norm=0, fc1=T * hs * ab, swiglu=0, fc2=0)
+        lora = [(module, n_a) for module, n_a in lora if module not in MLP_LINEARS]
+    parts["lora"] = sum(_lora_saved(sh, module, n_a) for module, n_a in lora) * ab
     return parts
 
 

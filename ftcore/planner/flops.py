@@ -93,7 +93,16 @@ def micro_batch_work(cfg: DictConfig, pp_rank: int) -> Work:
                 w.gemm_base += flops
     w.gemm_base += 2.0 * tokens * adapters * (3 + recompute_fwd) * w.layers
     fwd = attention_forward_flops(cfg)
-    w.attention = fwd * (1 + FLASH_BWD + (1 if p.recompute != "none" else 0)) * w.layers
+    modules = getattr(p, "recompute_modules", ["core_attn"]) if p.recompute == "selective" else []
+    attn_again = p.recompute == "full" or "core_attn" in modules
+    w.attention = fwd * (1 + FLASH_BWD + (1 if attn_again else 0)) * w.layers
+    if "mlp" in modules:  # selective MLP recompute: fc1, fc2 (and their adapters) run forward twice
+        mlp = 2.0 * tokens * sum(o * i for k, (o, i) in shapes.items() if k in MLP_LINEARS)
+        if quant:
+            w.gemm_quant += mlp * w.layers  # the first/last bf16 layers' share is counted here too
+        else:
+            w.gemm_base += mlp * w.layers
+        w.gemm_base += 2.0 * tokens * sum(adapters_of.get(k, 0) for k in MLP_LINEARS) * w.layers
     if pp_rank == p.pp - 1:
         # logits and the last layer's MLP (and attention's queries on, where it picks) at the
         # target positions only (models/target_logits.py)

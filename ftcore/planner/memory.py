@@ -35,8 +35,16 @@ from ftcore.planner.view import view
 
 GiB = 1024**3
 GRAD_REDUCE_IN_FP32 = (
-    True  # ftcore.models.builder.wrap_ddp: gradients accumulate and reduce in fp32
+    True  # the default (perf.grad_reduce_dtype=fp32); grad_bytes() reads the config
 )
+
+
+def grad_bytes(cfg: DictConfig) -> int:
+    """Bytes per element of megatron's grad buffers (models/speed.py: perf.grad_reduce_dtype)."""
+    dtype = getattr(getattr(cfg, "perf", None), "grad_reduce_dtype", "fp32")
+    return 4 if dtype == "fp32" else act.DTYPE_BYTES[cfg.precision.params_dtype]
+
+
 PARAM_ALIGN = 64  # megatron param_and_grad_buffer: params start 128-byte aligned (64 values)
 
 
@@ -140,7 +148,7 @@ def model_state(cfg: DictConfig, pp_rank: int, dp: int, dp_rank: int = 0) -> dic
 def _model_state(cfg, pp_rank: int, dp: int, dp_rank: int) -> dict[str, int]:
     pr, p = cfg.precision, cfg.parallel
     pb = act.DTYPE_BYTES[pr.params_dtype]
-    gb = 4 if GRAD_REDUCE_IN_FP32 else pb
+    gb = grad_bytes(cfg)
     qbytes = quantized_weight_bytes(cfg)
     param_gather = qbytes > 0 and bool(pr.fp8_param_gather)
     qlora = cfg.peft.name == "qlora"

@@ -31,7 +31,7 @@ from ftcore.planner.flops import (
     micro_batch_work,
     model_flops_per_token,
 )
-from ftcore.planner.memory import GRAD_REDUCE_IN_FP32, model_state
+from ftcore.planner.memory import grad_bytes, model_state
 from ftcore.planner.view import view
 
 LINK_EFFICIENCY = 0.8  # achievable fraction of a link's bandwidth in NCCL collectives
@@ -39,6 +39,33 @@ HBM_EFFICIENCY = 0.7  # achievable fraction of HBM bandwidth for elementwise ker
 TP_EXPOSED = 0.7  # tensor-parallel collectives not hidden behind GEMMs (TE comm overlap)
 P2P_EXPOSED = 0.5  # pipeline sends not hidden (overlapped in the interleaved schedule)
 DP_EXPOSED = 0.2  # gradient reduce / param gather not hidden behind backward / forward
+# The exposed shares above hold where the run overlaps that traffic (parallel.tp_comm_overlap,
+# overlap_p2p_comm, overlap_grad_reduce / overlap_param_gather; docs/gpu_speed.md): fitted with the
+# published rows, whose recipes overlap all of it. Without the overlap a GPU waits for all of it.
+# On CPU gloo runs every collective in line either way; local_cpu's link rate was fitted with the
+# shares above, so they stay (the overlap flags do not move a CPU plan).
+NOT_OVERLAPPED = 1.0
+OVERLAP_FLAG = {
+    "tp": "tp_comm_overlap",
+    "p2p": "overlap_p2p_comm",
+    "dp_grads": "overlap_grad_reduce",
+    "dp_params": "overlap_param_gather",
+}
+FITTED_SHARE = {
+    "tp": TP_EXPOSED,
+    "p2p": P2P_EXPOSED,
+    "dp_grads": DP_EXPOSED,
+    "dp_params": DP_EXPOSED,
+}
+
+
+def exposed(cfg: DictConfig, traffic: str) -> float:
+    """Share of one kind of traffic (tp | p2p | dp_grads | dp_params) the step waits for."""
+    if cfg.cluster.device == "cpu" or getattr(cfg.parallel, OVERLAP_FLAG[traffic], True):
+        return FITTED_SHARE[traffic]
+    return NOT_OVERLAPPED
+
+
 OPTIM_BYTES = 40  # bytes moved per optimizer element: param, grad, main, 2 moments, read + write
 
 
@@ -101,6 +128,15 @@ def elementwise_bytes(sh: act.Shape) -> float:
     return T * (3 * fwd + cast)
 
 
+def unfused_swiglu_bytes(cfg: DictConfig, sh: act.Shape) -> float:
+    """perf.bias_activation_fusion=false on GPU: silu and the product as separate kernels, each
+    reading and writing [tokens, ffn/tp] once more, forward and backward (the fused kernel is what
+    elementwise_bytes counts, and what the calibration rows ran)."""
+    if cfg.cluster.device == "cpu" or getattr(cfg.perf, "bias_activation_fusion", True):
+        return 0.0
+    return sh.tokens * 3 * 2 * sh.f / sh.tp * sh.ab
+
+
 def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
     """(compute seconds, exposed TP/CP seconds) of one micro-batch on one pipeline rank."""
     c, p = cfg.cluster, cfg.parallel
@@ -115,6 +151,7 @@ def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
     t += w.attention / attn_rate
     hbm = max(c.hbm_gbps, 1e-3) * 1e9 * HBM_EFFICIENCY
     t += w.layers * (elementwise_bytes(sh) + cp.merge_bytes(sh, p.recompute == "full")) / hbm
+    t += w.layers * unfused_swiglu_bytes(cfg, sh) / hbm
     if pp_rank == p.pp - 1:
         t += sh.target_tokens * sh.vocab / sh.tp * 20 / hbm  # logits, fp32 softmax, its gradient
     passes = 2 + (1 if p.recompute == "full" else 0)
@@ -125,7 +162,7 @@ def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
     comm = 0.0
     if p.tp > 1:
         vol = 4 * (p.tp - 1) / p.tp * sh.tokens * sh.h * sh.ab * passes * w.layers
-        comm += TP_EXPOSED * vol / _link(cfg, p.tp)
+        comm += exposed(cfg, "tp") * vol / _link(cfg, p.tp)
     if p.cp > 1:  # the KV exchange of parallel.cp_comm_type, less what attention hides (cp.py)
         fwd = attention_forward_flops(cfg) / attn_rate
         attn = (fwd, fwd * FLASH_BWD)
@@ -147,17 +184,20 @@ def step_time(cfg: DictConfig, world: int) -> StepTime:
     pp_comm = 0.0
     if p.pp > 1:
         sends = 2 * p.vp * m * sh.tokens * sh.hs * sh.ab
-        pp_comm = P2P_EXPOSED * sends / _link(cfg, p.tp * p.cp * dp * p.pp)
+        pp_comm = exposed(cfg, "p2p") * sends / _link(cfg, p.tp * p.cp * dp * p.pp)
     dp_comm = opt = 0.0
     dpc = dp * p.cp
     worst = max((model_state(cfg, r, dpc) for r in range(p.pp)), key=lambda s: s["grads"])
     if dpc > 1 and worst["grads"]:
         grads, params = worst["grads"], worst["trainable"]
-        vol = (dpc - 1) / dpc * ((grads + params) if p.distributed_optimizer else 2 * grads)
-        dp_comm = DP_EXPOSED * vol / _link(cfg, p.tp * p.cp * dp)
-    elems = worst["grads"] // (
-        4 if GRAD_REDUCE_IN_FP32 else act.DTYPE_BYTES[cfg.precision.params_dtype]
-    )
+        share = (dpc - 1) / dpc / _link(cfg, p.tp * p.cp * dp)
+        if p.distributed_optimizer:  # reduce-scatter of the grads, all-gather of the params
+            dp_comm = share * (
+                exposed(cfg, "dp_grads") * grads + exposed(cfg, "dp_params") * params
+            )
+        else:  # all-reduce of the grads
+            dp_comm = share * exposed(cfg, "dp_grads") * 2 * grads
+    elems = worst["grads"] // grad_bytes(cfg)
     elems //= dpc if p.distributed_optimizer else 1
     opt = elems * OPTIM_BYTES / (max(c.hbm_gbps, 1e-3) * 1e9 * HBM_EFFICIENCY)
     overhead = calibration.of(c).step_overhead_s

@@ -96,10 +96,10 @@ def launch_standalone(
         return None
     argv = [a for a in sys.argv[1:] if not a.startswith("run.dir=")]
     argv.append(f"run.dir={decide_run_dir(cfg, module.rsplit('.', 1)[-1])}")
-    return launch_local_workers(module, argv, nproc)
+    return launch_local_workers(module, argv, nproc, cfg)
 
 
-def launch_local_workers(module: str, argv: list[str], nproc: int) -> int:
+def launch_local_workers(module: str, argv: list[str], nproc: int, cfg=None) -> int:
     """Start `python -m module argv` as `nproc` ranks via torch's elastic launch; return the exit status.
 
     A worker's own exit status (2 user error, 3 requeue) becomes ours; the first failure stops all.
@@ -119,6 +119,10 @@ def launch_local_workers(module: str, argv: list[str], nproc: int) -> int:
         monitor_interval=0.2,
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads(nproc)))
+    if cfg is not None and cfg.cluster.device != "cpu":
+        from ftcore.runtime import gpu_env
+
+        gpu_env.apply(os.environ, cfg)  # per GPU generation and overlap setting
     with tempfile.TemporaryDirectory(prefix="ftcore-errors-") as errors:
         # Workers leave their user error here instead of printing it (ftcore.cli), so that it is
         # shown once, after torch elastic's own failure report, as the last line on screen.

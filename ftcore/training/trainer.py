@@ -19,7 +19,7 @@ from ftcore.errors import FtcoreError, StopRequested
 from ftcore.runtime import cpu, signals
 from ftcore.runtime import dist as rdist
 from ftcore.training import metrics as metrics_mod
-from ftcore.training import optim
+from ftcore.training import optim, overlap
 from ftcore.training.evaluation import evaluate
 from ftcore.training.step import is_data_rank, reduce_sums, run_batches
 from ftcore.training.timing import DATA, FWD_BWD, GRAD_SYNC, OPTIMIZER, timed
@@ -77,6 +77,10 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
         cpu.activate()
     # 4. megatron's parallel state (dp is what tp·pp·cp leave) and seeds (CPU + megatron's RNG tracker).
     rdist.init_model_parallel(cfg, info.world)
+    if info.device.type == "cuda" and cfg.parallel.tp_comm_overlap:
+        from ftcore.runtime import userbuffers
+
+        userbuffers.initialize(cfg)  # TE's TP-overlap buffers, before the model (models/speed.py)
     torch.manual_seed(cfg.run.seed)
     with cpu.device_mode():
         model_parallel_cuda_manual_seed(cfg.run.seed)
@@ -140,6 +144,7 @@ def _wire_model_config(state: TrainState) -> None:
     config.grad_scale_func = state.optimizer.scale_loss
     no_sync = [m.no_sync for m in state.model]
     config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+    overlap.wire(config, state.model, state.cfg)  # overlapped grad reduce / param gather
 
 
 def _finalize_grads(model: list, *args, **kwargs) -> None:
@@ -225,6 +230,7 @@ def fit(state: TrainState) -> None:
     start_time = time.time()
     world = state.info.world
     signals.install(cfg)
+    collector = overlap.Collector(cfg).__enter__()  # perf.manual_gc
     try:
         while state.step < cfg.train.max_steps:
             out = train_step(state)
@@ -249,6 +255,7 @@ def fit(state: TrainState) -> None:
             writer.write(record)
             state.extra["last_loss"] = out["loss"]
             t0 = time.perf_counter()
+            collector.step(state.step)
             if cfg.eval.interval and state.step % cfg.eval.interval == 0 and state.val_batches:
                 val = evaluate(state, state.val_batches[: cfg.eval.iters]).loss
                 writer.write({"step": state.step, "eval_loss": val})
@@ -266,6 +273,7 @@ def fit(state: TrainState) -> None:
             timer.exclude(time.perf_counter() - t0)
         finish(state)
     finally:
+        collector.__exit__()
         writer.close()
         signals.uninstall()
 
@@ -275,6 +283,7 @@ def finish(state: TrainState) -> None:
     from ftcore.checkpoint import store
 
     cfg = state.cfg
+    overlap.params_current(state.model)  # the last update, before anything reads the weights
     if cfg.checkpoint.save_at_end and not store.exists(state, state.step):
         store.save(state)
     store.wait(state)

@@ -1,5 +1,5 @@
 """Core promise: a layout change (TP, SP, PP, interleaved PP, DP, distributed optimizer,
-micro-batching) does not change the math. fp32 on CPU, 5 optimizer steps, 1e-5 relative."""
+micro-batching, communication overlap) does not change the math. fp32 on CPU, 5 optimizer steps, 1e-5 relative."""
 
 from __future__ import annotations
 
@@ -45,6 +45,14 @@ LAYOUTS = {
     "pp2_vp2": ["parallel.pp=2", "parallel.vp=2"],
     "dp2": [],
     "dp2_distopt": ["parallel.distributed_optimizer=true"],
+    # communication overlap (docs/gpu_speed.md): per-bucket DP reduce-scatter during the backward,
+    # per-bucket parameter all-gather in the next forward; pipeline sends left in flight
+    "dp2_distopt_overlap": [
+        "parallel.distributed_optimizer=true",
+        "parallel.overlap_grad_reduce=true",
+        "parallel.overlap_param_gather=true",
+    ],
+    "pp2_vp2_overlap_p2p": ["parallel.pp=2", "parallel.vp=2", "parallel.overlap_p2p_comm=true"],
 }
 
 
@@ -65,6 +73,10 @@ def test_layout_matches_single_process(name, pool2, reference, tmp_path):
     _close(got["loss"], reference["loss"], f"{name} losses")
     _close(got["grad_norm"], reference["grad_norm"], f"{name} grad norms")
     _close_weights(merge_weights(results), reference["weights"], name)
+    for option in ("overlap_grad_reduce", "overlap_param_gather", "overlap_p2p_comm"):
+        asked = f"parallel.{option}=true" in LAYOUTS[name]
+        assert got["flags"][option] == asked, (name, option, got["flags"])
+    assert not got["flags"]["batch_p2p_comm"]  # never on CPU (gloo), never with overlap_p2p_comm
 
 
 @pytest.mark.dist

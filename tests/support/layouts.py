@@ -14,7 +14,7 @@ from megatron.core import parallel_state as ps
 from ftcore.config.schema import compose
 from ftcore.data.pipeline import MicroBatch
 from ftcore.models.sharding import iter_params, join_shards, shard_info, unwrap
-from ftcore.training import trainer
+from ftcore.training import overlap, trainer
 from tests.support.tiny import TINY
 
 
@@ -94,7 +94,15 @@ def train_and_collect(overrides: list[str], run_dir: str, steps: int = 5) -> dic
         out = trainer.train_step(state)
         losses.append(out["loss"])
         norms.append(out["grad_norm"])
-    return {"loss": losses, "grad_norm": norms, "weights": full_weights(state)}
+    overlap.params_current(state.model)  # overlap_param_gather: the last update, gathered
+    config, ddp = unwrap(state.model[0]).config, state.model[0].ddp_config
+    flags = {  # what megatron ran with (the layout tests check the options reached it)
+        "overlap_grad_reduce": ddp.overlap_grad_reduce,
+        "overlap_param_gather": ddp.overlap_param_gather,
+        "overlap_p2p_comm": config.overlap_p2p_comm,
+        "batch_p2p_comm": config.batch_p2p_comm,
+    }
+    return {"loss": losses, "grad_norm": norms, "weights": full_weights(state), "flags": flags}
 
 
 def merge_weights(results: list[dict]) -> dict[str, torch.Tensor]:
