@@ -60,7 +60,9 @@ docs/design.md describes every section."""
 def main(name: str, task: Callable[[DictConfig], int | None], argv: list[str] | None = None) -> int:
     """Run `task(cfg)` with the exit-status contract (docs/design.md); returns the exit status."""
     from ftcore.config.schema import HYDRA_INFO, compose, to_yaml
+    from ftcore.runtime import megatron_jit
 
+    megatron_jit.install()  # before megatron-core is imported: no torch.compile without CUDA
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--verbose" in argv:
         argv.remove("--verbose")

@@ -7,8 +7,10 @@ import warnings
 
 import pytest
 
+from ftcore.runtime import megatron_jit
 from tests.support.cli import LAUNCHER_ENV
 
+megatron_jit.install()  # tests import megatron-core in this process too (as ftcore/cli.py does)
 os.environ.setdefault("FTCORE_LOG_LEVEL", "WARNING")
 warnings.filterwarnings("ignore")
 

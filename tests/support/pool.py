@@ -40,6 +40,9 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
+    from ftcore.runtime import megatron_jit
+
+    megatron_jit.install()  # as ftcore's entry points do (ftcore/cli.py)
     import torch
     import torch.distributed as dist
 
