@@ -1,4 +1,5 @@
-"""Shared fixtures: session-scoped gloo worker pools, a tiny run config, GPU skipping."""
+"""Shared fixtures: session-scoped gloo worker pools, one generate run that several command-line
+tests read, GPU skipping."""
 
 from __future__ import annotations
 
@@ -7,15 +8,26 @@ import warnings
 
 import pytest
 
-from tests.support.cli import LAUNCHER_ENV
+from tests.support.cli import LAUNCHER_ENV, QUESTION
 
 os.environ.setdefault("FTCORE_LOG_LEVEL", "WARNING")
 warnings.filterwarnings("ignore")
 
 
+POOLS = {"pool1", "pool2", "pool4"}
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    if config.pluginmanager.hasplugin("xdist"):
+        # `-n 2 --dist loadgroup`: the tests that share the session's gloo pools run in one worker
+        # (another would start 7 more ranks of its own), the SLURM tests in one (one local cluster)
+        for item in items:
+            names = set(getattr(item, "fixturenames", ()))
+            group = "pools" if names & POOLS else "slurm" if "slurm_cluster" in names else None
+            if group:
+                item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="NOT RUN: no CUDA device")
@@ -61,3 +73,21 @@ def pool4():
     pool = Pool(4)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def base_answer(tmp_path_factory):
+    """`python -m ftcore.generate +exp=tiny_lora` asking QUESTION of the bundled base (no adapter),
+    as a user types it, from an empty directory, with a standard input that stays open and silent
+    (reading it would hang until the timeout): (the process, that directory). One run (a process
+    start costs ~15 s of CPU) read by test_quickstart (the inline prompt; generate writes nothing)
+    and test_preflight (the base's answer, which an adapter must change)."""
+    from tests.support.cli import cli
+
+    cwd = tmp_path_factory.mktemp("base_answer")
+    rfd, wfd = os.pipe()
+    try:
+        return cli("generate", "+exp=tiny_lora", *QUESTION, cwd=cwd, stdin=rfd), cwd
+    finally:
+        os.close(rfd)
+        os.close(wfd)
