@@ -14,20 +14,9 @@ os.environ.setdefault("FTCORE_LOG_LEVEL", "WARNING")
 warnings.filterwarnings("ignore")
 
 
-POOLS = {"pool1", "pool2", "pool4"}
-
-
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    if config.pluginmanager.hasplugin("xdist"):
-        # `-n 2 --dist loadgroup`: the tests that share the session's gloo pools run in one worker
-        # (another would start 7 more ranks of its own), the SLURM tests in one (one local cluster)
-        for item in items:
-            names = set(getattr(item, "fixturenames", ()))
-            group = "pools" if names & POOLS else "slurm" if "slurm_cluster" in names else None
-            if group:
-                item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="NOT RUN: no CUDA device")
