@@ -1,4 +1,5 @@
-"""Shared fixtures: session-scoped gloo worker pools, a tiny run config, GPU skipping."""
+"""Shared fixtures: session-scoped gloo worker pools, one generate run that several command-line
+tests read, GPU skipping."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import warnings
 import pytest
 
 from ftcore.runtime import megatron_jit
-from tests.support.cli import LAUNCHER_ENV
+from tests.support.cli import LAUNCHER_ENV, QUESTION
 
 megatron_jit.install()  # tests import megatron-core in this process too (as ftcore/cli.py does)
 os.environ.setdefault("FTCORE_LOG_LEVEL", "WARNING")
@@ -63,3 +64,21 @@ def pool4():
     pool = Pool(4)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def base_answer(tmp_path_factory):
+    """`python -m ftcore.generate +exp=tiny_lora` asking QUESTION of the bundled base (no adapter),
+    as a user types it, from an empty directory, with a standard input that stays open and silent
+    (reading it would hang until the timeout): (the process, that directory). One run (a process
+    start costs ~15 s of CPU) read by test_quickstart (the inline prompt; generate writes nothing)
+    and test_preflight (the base's answer, which an adapter must change)."""
+    from tests.support.cli import cli
+
+    cwd = tmp_path_factory.mktemp("base_answer")
+    rfd, wfd = os.pipe()
+    try:
+        return cli("generate", "+exp=tiny_lora", *QUESTION, cwd=cwd, stdin=rfd), cwd
+    finally:
+        os.close(rfd)
+        os.close(wfd)

@@ -107,7 +107,9 @@ class Workers:
 
     def kill(self) -> None:
         self.signal(signal.SIGKILL, range(len(self.procs)))
-        self.wait(60)
+        for p in self.procs:  # 60 s from now (wait() counts from the start: minutes ago when busy)
+            p.wait(timeout=60)
+        self.log.close()
 
     def wait(self, timeout: float = 400) -> list[int]:
         try:

@@ -17,6 +17,8 @@ LAUNCHER_ENV = (
     "MASTER_PORT",
 )
 ROOT = Path(__file__).resolve().parents[2]
+# The question several tests ask the bundled tiny_lora base (the `base_answer` fixture asks it once).
+QUESTION = ("generate.prompt=What is 2 + 3?", "generate.max_new_tokens=8")
 
 
 def cli(

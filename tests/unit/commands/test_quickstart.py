@@ -3,35 +3,32 @@ standard input (text Hydra's parser rejects), standard output holding the answer
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.cli import cli, error_line  # noqa: F401
+from tests.support.cli import QUESTION, cli, error_line  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_prompt_from_file_or_stdin_and_stdout_is_the_answer_alone(tmp_path):
+def test_prompt_from_file_or_stdin_and_stdout_is_the_answer_alone(base_answer, tmp_path):
     """The same prompt given inline, from standard input and from a file gives the same answer;
     standard output is that answer alone (the logs are on standard error); a prompt with a comma
     and an apostrophe, which Hydra's parser rejects inline, works from a file; standard input is
-    not read unless asked (an open, silent stdin does not block generate.prompt=...)."""
-    common = ["+exp=tiny_lora", "generate.max_new_tokens=6", f"run.dir={tmp_path / 'run'}"]
-    rfd, wfd = os.pipe()  # a stdin that never ends: reading it would hang until the timeout
-    try:
-        inline = cli("generate", "generate.prompt=What is 2 + 3?", *common, stdin=rfd)
-    finally:
-        os.close(rfd)
-        os.close(wfd)
-    piped = cli("generate", "generate.prompt_file=-", *common, input="What is 2 + 3?\n")
+    not read unless asked (an open, silent stdin does not block generate.prompt=...: the
+    base_answer run, inline, has one); generate writes nothing where it runs."""
+    common = ["+exp=tiny_lora", QUESTION[1], f"run.dir={tmp_path / 'run'}"]
+    inline, cwd = base_answer
+    prompt = QUESTION[0].split("=", 1)[1]
+    piped = cli("generate", "generate.prompt_file=-", *common, input=prompt + "\n")
     for p in (inline, piped):
         assert p.returncode == 0, p.stderr[-3000:]
     assert piped.stdout == inline.stdout
     answer = inline.stdout
     assert answer.endswith("\n") and answer.count("\n") == 1 and answer.strip(), answer
     assert "loaded model.init_path weights" in inline.stderr  # the logs went to stderr
+    assert not any(cwd.iterdir())  # no run directory, no outputs/
 
     hard = "What's the capital of Peru, then? Say it = plainly."
     rejected = cli("generate", f"generate.prompt={hard}", *common)

@@ -14,7 +14,7 @@ from ftcore.config.checks import validate
 from ftcore.config.schema import compose
 from ftcore.errors import FtcoreError
 from ftcore.peft.config import Geometry, LoraSettings
-from tests.support.cli import cli, error_line  # noqa: F401
+from tests.support.cli import QUESTION, cli, error_line  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[3]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the refusal without CUDA")
@@ -40,15 +40,15 @@ def tiny_adapter(path: Path, base: str | None = "tiny_base", std: float = 0.5) -
 # ---- an adapter path is used or refused, never dropped ----------------------------------------
 
 
-def test_generate_uses_an_adapter_given_without_peft_lora(tmp_path):
+def test_generate_uses_an_adapter_given_without_peft_lora(base_answer, tmp_path):
     """`ftcore.generate peft.adapter_path=DIR` loads DIR as LoRA on the base its config names: the
-    same answer as spelling it all out, not the base's answer (nor a random model's)."""
+    same answer as spelling it all out, not the base's answer (base_answer: the same question to
+    +exp=tiny_lora without the adapter), nor a random model's."""
     ad = tiny_adapter(tmp_path / "hf_adapter")
-    common = ["generate.prompt=What is 2 + 3?", "generate.max_new_tokens=8",
-              f"run.dir={tmp_path / 'run'}"]  # fmt: skip
+    common = [*QUESTION, f"run.dir={tmp_path / 'run'}"]
     alone = cli("generate", f"peft.adapter_path={ad}", *common)
     spelled = cli("generate", "+exp=tiny_lora", f"peft.adapter_path={ad}", *common)
-    base = cli("generate", "+exp=tiny_lora", *common)
+    base = base_answer[0]
     for p in (alone, spelled, base):
         assert p.returncode == 0, p.stderr[-3000:]
     assert alone.stdout == spelled.stdout, (alone.stdout, spelled.stdout)
