@@ -21,8 +21,9 @@ SEQ = 32  # tests/support/tiny.py
 def test_cp_attention_matches_whole_sequence(pool2):
     for r in pool2.run(attention_against_whole):
         assert r["same_batch"] and r["same_rope"], r  # megatron's load-balanced chunks
+        assert r["same_document_split"], r
         assert r["shape"] == (16, 2, 32)  # half of the 32 positions on each rank
-        for k in ("out", "dq", "dk", "dv"):
+        for k in ("out", "dq", "dk", "dv", "packed_out", "packed_q", "packed_k", "packed_v"):
             assert r[k] <= 1e-10, (k, r)
 
 
