@@ -145,13 +145,6 @@ def check_context_parallel(cfg: DictConfig) -> None:
             "shard (ftcore.generate refuses cp > 1 too)",
             field="eval.accuracy", fix="set eval.accuracy=false, or evaluate at parallel.cp=1",
         )  # fmt: skip
-    if cfg.data.packing and cfg.cluster.device == "cuda":
-        raise FtcoreError(
-            "packed rows under context parallelism on GPU need Transformer Engine's THD "
-            "partitioning (documents padded to 2*cp), which ftcore does not wire yet",
-            field="data.packing",
-            fix="set data.packing=false (data.trim_padding keeps rows short) or parallel.cp=1",
-        )
 
 
 def check_generation(cfg: DictConfig) -> None:

@@ -30,6 +30,9 @@ class MicroBatch:
     # forward step of every virtual pipeline stage reads it, and a Python int needs no device sync
     cu_seqlens: torch.Tensor | None = None  # int32 [documents + 1]
     max_seqlen: int = 0
+    # packed rows under CP (make_microbatch's doc_multiple > 1): the boundaries of the documents
+    # padded to the multiple (TE's cu_seqlens_padded), cu_seqlens then counts real tokens only
+    cu_seqlens_padded: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.cu_seqlens is None:
@@ -222,33 +225,59 @@ def _bits_next(levels: list[list[int]], x: int) -> int:
     return -1
 
 
-def make_microbatch(rows: list[list[Doc]], seq_len: int, pad_id: int) -> MicroBatch:
-    """Tensors for rows of documents (an empty row is all padding)."""
+def padded_length(n: int, doc_multiple: int) -> int:
+    return -(-n // doc_multiple) * doc_multiple
+
+
+def make_microbatch(
+    rows: list[list[Doc]], seq_len: int, pad_id: int, doc_multiple: int = 1
+) -> MicroBatch:
+    """Tensors for rows of documents (an empty row is all padding).
+
+    doc_multiple > 1 (packed rows under context parallelism: 2*cp) pads every document to a
+    multiple of it, as TE's THD partitioning needs: the pad tokens follow the document's own
+    tokens with its segment id and continuing positions, no loss and no labels, so (causally) no
+    real token attends them and they never reach another document."""
     b = len(rows)
     tokens = np.full((b, seq_len), pad_id, np.int64)
     labels = np.zeros((b, seq_len), np.int64)
     loss_mask = np.zeros((b, seq_len), np.float32)
     position_ids = np.zeros((b, seq_len), np.int64)
     segment_ids = np.zeros((b, seq_len), np.int32)
+    real, padded = [0], [0]  # cumulative lengths, for doc_multiple > 1
     for r, docs in enumerate(rows):
         t = 0
         for k, d in enumerate(docs, start=1):
             n = len(d)
-            if t + n > seq_len:
+            m = padded_length(n, doc_multiple)
+            if t + m > seq_len:
                 raise ValueError(f"row {r} overflows seq_len {seq_len}")
             tokens[r, t : t + n] = d.ids
             labels[r, t : t + n - 1] = np.where(d.targets[1:], d.ids[1:], 0)
             loss_mask[r, t : t + n - 1] = d.targets[1:]
-            position_ids[r, t : t + n] = np.arange(n)
-            segment_ids[r, t : t + n] = k
-            t += n
+            position_ids[r, t : t + m] = np.arange(m)
+            segment_ids[r, t : t + m] = k
+            real.append(real[-1] + n)
+            padded.append(padded[-1] + m)
+            t += m
+        if t < seq_len:  # the row's padding: one more sequence, as cu_seqlens_from_segments has it
+            real.append(real[-1] + seq_len - t)
+            padded.append(padded[-1] + seq_len - t)
+    extra = {}
+    if doc_multiple > 1:
+        extra = {
+            "cu_seqlens": torch.tensor(real, dtype=torch.int32),
+            "cu_seqlens_padded": torch.tensor(padded, dtype=torch.int32),
+            "max_seqlen": int(np.diff(padded).max()) if len(padded) > 1 else 0,
+        }
     return MicroBatch(
         tokens=torch.from_numpy(tokens),
         labels=torch.from_numpy(labels),
         loss_mask=torch.from_numpy(loss_mask),
         position_ids=torch.from_numpy(position_ids),
         segment_ids=torch.from_numpy(segment_ids),
-        num_tokens=int((segment_ids > 0).sum()),
+        num_tokens=sum(len(d) for docs in rows for d in docs),
+        **extra,
     )
 
 

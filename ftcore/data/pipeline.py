@@ -172,6 +172,19 @@ def trim_multiple(cfg) -> int | None:
     return m
 
 
+def doc_multiple(cfg) -> int:
+    """What each packed document is padded to: 2*cp under context parallelism (TE's THD layout
+    splits every document into 2*cp chunks, data/cp.py), else 1 (no padding)."""
+    cp = cfg.parallel.get("cp", 1)
+    return 2 * cp if cfg.data.packing and cp > 1 else 1
+
+
+def padded_lengths(cfg, lengths: np.ndarray) -> np.ndarray:
+    """Document lengths as packing places them (doc_multiple)."""
+    m = doc_multiple(cfg)
+    return -(-lengths // m) * m
+
+
 def row_width(rows: list[list[Doc]], seq_len: int, multiple: int | None) -> int:
     """seq_len, or (trimming) the longest row rounded up to the layout's multiple."""
     if multiple is None:
@@ -191,7 +204,8 @@ def assemble(cfg, docs: Docs, rows: list[list[int]], pad_id: int) -> list[MicroB
     widths = [row_width(g, cfg.data.seq_len, multiple) for g in groups]
     if cfg.parallel.pp > 1:
         widths = [max(widths)] * len(widths)
-    return [make_microbatch(g, w, pad_id) for g, w in zip(groups, widths)]
+    m = doc_multiple(cfg)
+    return [make_microbatch(g, w, pad_id, m) for g, w in zip(groups, widths)]
 
 
 class TrainLoader:
@@ -208,7 +222,7 @@ class TrainLoader:
             )
         self.docs, self.pad_id, self.seq_len = docs, pad_id, cfg.data.seq_len
         self.global_batch, self.dp_rank, self.per_rank = t.global_batch_size, dp_rank, per_rank
-        lengths = doc_lengths(docs.docs)
+        lengths = padded_lengths(cfg, doc_lengths(docs.docs))
         self.sampler = Sampler(
             docs.source_ids, counts, lengths, cfg.data.seq_len, cfg.data.packing, cfg.run.seed
         )
@@ -398,7 +412,7 @@ def build_val_batches(
     if not docs.docs:
         return []
     if cfg.data.packing:
-        rows = [sorted(b) for b in _pack(docs, cfg.data.seq_len)]
+        rows = [sorted(b) for b in _pack(cfg, docs)]
         rows.sort(key=lambda r: r[0])
     else:
         rows = [[i] for i in range(len(docs.docs))]
@@ -416,7 +430,7 @@ def build_val_batches(
     ]
 
 
-def _pack(docs: Docs, seq_len: int) -> list[list[int]]:
+def _pack(cfg, docs: Docs) -> list[list[int]]:
     from ftcore.data.packing import pack
 
-    return pack(doc_lengths(docs.docs).tolist(), seq_len)
+    return pack(padded_lengths(cfg, doc_lengths(docs.docs)).tolist(), cfg.data.seq_len)

@@ -8,6 +8,7 @@ computes HF's inv_freq from all four fields and overwrites megatron's after the 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -58,12 +59,39 @@ def install(chunks, model_cfg) -> None:
         cache_clear()
 
 
+_positions: list = [None]  # [b, s / cp] row positions of this rank (angles_at), or None
+
+
+@contextlib.contextmanager
+def angles_at(positions: torch.Tensor | None):
+    """Within: RoPE angles at these per-row positions ([b, s / cp], data/cp.py row_positions),
+    not the whole-row chunks: packed rows under CP split per document (no-TE path; with TE,
+    megatron's THD RoPE does it). megatron caches its rotary embedding: cleared around it."""
+    if positions is None:
+        yield
+        return
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    _positions[0] = positions
+    RotaryEmbedding.forward.cache_clear()
+    try:
+        yield
+    finally:
+        _positions[0] = None
+        RotaryEmbedding.forward.cache_clear()
+
+
 def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
     """megatron's get_pos_emb_on_this_cp_rank (the angles of this CP rank's chunks r and
     2*cp-1-r, ftcore.data.cp), on the embedding's own device: megatron's copies its index through
-    pinned memory to CUDA, which a CPU run has neither of."""
+    pinned memory to CUDA, which a CPU run has neither of. Inside `angles_at`: [s / cp, b, 1, d],
+    each row's angles at its own positions."""
     from ftcore.data.cp import local_positions
 
+    if _positions[0] is not None:
+        p = _positions[0].to(pos_emb.device)  # [b, s / cp]
+        picked = pos_emb.index_select(seq_dim, p.t().reshape(-1))  # [s / cp * b, 1, 1, d]
+        return picked.view(p.shape[1], p.shape[0], *pos_emb.shape[seq_dim + 2 :])
     index = local_positions(pos_emb.shape[seq_dim], cp_group.size(), cp_group.rank())
     return pos_emb.index_select(seq_dim, index.to(pos_emb.device))
 

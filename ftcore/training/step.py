@@ -20,7 +20,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from ftcore.data import cp as cp_shard
 from ftcore.data.pipeline import MicroBatch, attention_mask_from_segments
 from ftcore.data.transfer import to_device
-from ftcore.models import target_logits
+from ftcore.models import rope, target_logits
 from ftcore.models.local import attention, cp_attention
 from ftcore.models.sharding import unwrap
 from ftcore.runtime import cpu
@@ -76,7 +76,11 @@ def packed_seq_params(mb: MicroBatch, device) -> PackedSeqParams:
     cu_seqlens, so attention and RoPE restart per document without an s x s mask. cu_seqlens was
     built with the micro-batch; the longest length is a Python int (no device read)."""
     cu = to_device(mb.cu_seqlens, device)
+    padded = None
+    if mb.cu_seqlens_padded is not None:  # under CP: TE divides the whole row's by cp itself
+        padded = to_device(mb.cu_seqlens_padded, device)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
                            max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)  # fmt: skip
 
 
@@ -85,8 +89,9 @@ def forward_step(data_iterator, model):
 
     On CPU (local attention) packed documents are kept apart by a block-diagonal causal mask; on
     GPU with Transformer Engine, packed rows go in as THD (cu_seqlens) and plain rows as causal.
-    Under context parallelism the rank takes its chunks of every row (data/cp.py), and the local
-    attention gets its query rows of the whole rows' mask (models/local/cp_attention.py).
+    Under context parallelism the rank takes its chunks of every row, or of every document for
+    packed rows (data/cp.py, TE's THD layout), and the local attention gets its query rows of the
+    whole rows' mask (models/local/cp_attention.py) and RoPE the angles of its positions.
     The output layer runs at the target positions only where it can (models/target_logits.py).
     Inputs go to the device with non-blocking copies, and what depends on the data (masks,
     documents, target rows) is computed from the host tensors: no host sync per micro-batch."""
@@ -99,12 +104,17 @@ def forward_step(data_iterator, model):
     if target_logits.applies(chunk):
         rows = to_device(target_logits.rows_of(mb.loss_mask), device)
         width = target_logits.widest(mb.loss_mask)
-    kwargs = {}
-    packed = int(whole.segment_ids.max()) > 1
+    kwargs, positions_of_rank = {}, None
+    per_document = cp > 1 and whole.cu_seqlens_padded is not None  # THD layout (data/cp.py)
+    packed = per_document or int(whole.segment_ids.max()) > 1
     if not getattr(chunk, "uses_te", False):
         mask = attention_mask_from_segments(to_device(whole.segment_ids, device))
         if cp > 1:  # this rank's query rows of the whole rows' mask (models/local/cp_attention.py)
-            mask = cp_attention.local_mask(mask, cp, cp_rank)
+            rows_of_rank = cp_shard.row_positions(whole, cp, cp_rank)
+            gathered = cp_shard.gathered_row_positions(whole, cp)
+            mask = cp_attention.local_mask(mask, rows_of_rank, gathered)
+            if per_document:
+                positions_of_rank = rows_of_rank
         elif packed:
             # packed rows: attend document by document (models/attention.py)
             mask = attention.with_documents(mask, attention.documents(mb.segment_ids).to(device))
@@ -112,7 +122,11 @@ def forward_step(data_iterator, model):
         mask = None
         if packed:
             kwargs["packed_seq_params"] = packed_seq_params(mb, device)
-    with cpu.mode_suspended(), target_logits.only_at(chunk, rows, width):
+    with (
+        cpu.mode_suspended(),
+        target_logits.only_at(chunk, rows, width),
+        rope.angles_at(positions_of_rank),
+    ):
         tokens, positions = to_device(mb.tokens, device), to_device(mb.position_ids, device)
         output = model(tokens, positions, mask, **kwargs)
     return output, partial(loss_func, mb, chunk.vocab_size_unpadded, rows)

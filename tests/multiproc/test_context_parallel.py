@@ -1,6 +1,7 @@
 """Context parallelism does not change the math: each CP rank holds chunks r and 2*cp-1-r of every
 row (data/cp.py) and the CPU attention all-gathers K/V (models/local/cp_attention.py). fp32 on CPU,
-5 optimizer steps, unpacked and packed rows: cp=2 (with the distributed optimizer sharded over
+5 optimizer steps, unpacked and packed rows (documents padded to 4 and, at cp=2, split per
+document as TE's THD layout does; the cp=1 reference pads the same): cp=2 (with the distributed optimizer sharded over
 dp x cp), cp=2 x tp=2 and cp=2 x pp=2 give cp=1's losses, gradient norms, weights and eval loss to
 1e-5 relative. One pool run per layout serves every assertion about it."""
 
@@ -21,8 +22,9 @@ SEQ = 32  # tests/support/tiny.py
 def test_cp_attention_matches_whole_sequence(pool2):
     for r in pool2.run(attention_against_whole):
         assert r["same_batch"] and r["same_rope"], r  # megatron's load-balanced chunks
+        assert r["same_document_split"], r
         assert r["shape"] == (16, 2, 32)  # half of the 32 positions on each rank
-        for k in ("out", "dq", "dk", "dv"):
+        for k in ("out", "dq", "dk", "dv", "packed_out", "packed_q", "packed_k", "packed_v"):
             assert r[k] <= 1e-10, (k, r)
 
 

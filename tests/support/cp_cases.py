@@ -10,7 +10,12 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 
 from ftcore.data.cp import shard
-from ftcore.data.packing import attention_mask_from_segments, first_fit_decreasing, make_microbatch
+from ftcore.data.packing import (
+    attention_mask_from_segments,
+    first_fit_decreasing,
+    make_microbatch,
+    padded_length,
+)
 from ftcore.data.templates import Doc
 from ftcore.models.local.attention import SdpaAttention
 from ftcore.models.sharding import unwrap
@@ -20,8 +25,12 @@ from tests.support.layouts import SyntheticLoader, build, full_weights, record_m
 
 
 class PackedLoader(SyntheticLoader):
-    """Global batch k: documents of 2 to seq/2 tokens (random targets), first-fit-decreasing into
-    rows of data.seq_len, the first global_batch_size rows (padding at the ends of rows)."""
+    """Global batch k: documents of 2 to seq/2 tokens (random targets), each padded to a multiple
+    of `doc_multiple` (what ftcore does under CP: 2*cp; the cp=1 reference pads the same, so
+    every layout packs the same rows), first-fit-decreasing into rows of data.seq_len, the first
+    global_batch_size rows (padding at the ends of rows)."""
+
+    doc_multiple = 4
 
     def next_microbatches(self):
         t, seq = self.cfg.train, self.cfg.data.seq_len
@@ -31,18 +40,22 @@ class PackedLoader(SyntheticLoader):
             Doc(r.integers(0, self.vocab, n).astype(np.int32), r.random(n) < 0.7)
             for n in r.integers(2, seq // 2 + 1, 4 * t.global_batch_size)
         ]
-        bins = first_fit_decreasing([len(d) for d in docs], seq)[: t.global_batch_size]
+        m = self.doc_multiple
+        bins = first_fit_decreasing([padded_length(len(d), m) for d in docs], seq)
+        bins = bins[: t.global_batch_size]
         per = t.global_batch_size // self.dp
         mine = bins[self.dp_rank * per : (self.dp_rank + 1) * per]
         mbs = t.micro_batch_size
         return [
-            make_microbatch([[docs[d] for d in row] for row in mine[i : i + mbs]], seq, 0)
+            make_microbatch([[docs[d] for d in row] for row in mine[i : i + mbs]], seq, 0, m)
             for i in range(0, per, mbs)
         ]
 
 
-def train_unpacked_and_packed(overrides: list[str], run_dir: str, steps: int) -> dict:
-    """Per mode: losses, grad norms, full weights, the eval loss of one more batch, the sequence
+def train_unpacked_and_packed(
+    overrides: list[str], run_dir: str, steps: int, doc_multiple: int = 4
+) -> dict:
+    """Packed rows pad their documents to `doc_multiple` (PackedLoader). Per mode: losses, grad norms, full weights, the eval loss of one more batch, the sequence
     lengths the attention saw (s / cp when the batch is really sharded), and the rows the output
     layer computed per training micro-batch against this rank's targets (models/target_logits.py)."""
     out = {}
@@ -51,6 +64,7 @@ def train_unpacked_and_packed(overrides: list[str], run_dir: str, steps: int) ->
         if mode == "packed":
             state.loader = PackedLoader(state.cfg, ps.get_data_parallel_rank(), state.dp,
                                         state.cfg.model.vocab_size)  # fmt: skip
+            state.loader.doc_multiple = doc_multiple
         seen: set[int] = set()
         for chunk in state.model:
             for m in chunk.modules():
@@ -85,7 +99,13 @@ def attention_against_whole(seed: int = 0) -> dict:
     """Two ranks, one CP group (the world): the CP attention's output and Q/K/V gradients at this
     rank's positions against SDPA over the whole packed sequence (float64, GQA); and this rank's
     micro-batch and RoPE angles against megatron's slicing functions."""
-    from ftcore.data.cp import local_positions
+    from ftcore.data.cp import (
+        document_positions,
+        gathered_positions,
+        gathered_row_positions,
+        local_positions,
+        row_positions,
+    )
     from ftcore.models.local import cp_attention
 
     cp, rank = dist.get_world_size(), dist.get_rank()
@@ -106,12 +126,45 @@ def attention_against_whole(seed: int = 0) -> dict:
 
     idx = local_positions(s, cp, rank)
     mine = [t.index_select(0, idx).clone().requires_grad_() for t in (q, k, v)]
-    got = cp_attention.attention(*mine, cp_attention.local_mask(mask, cp, rank), scale,
+    rows, cols = idx.expand(b, -1), gathered_positions(s, cp).expand(b, -1)
+    got = cp_attention.attention(*mine, cp_attention.local_mask(mask, rows, cols), scale,
                                  dist.group.WORLD)  # fmt: skip
     got.backward(grad_out.index_select(0, idx))
 
     def rel(a, b):
         return ((a - b).norm() / b.norm()).item()
+
+    # packed rows split per document (TE's THD layout): documents of 5, 10, 7 and 27, 3 tokens
+    # padded to multiples of 2*cp, each row its own positions
+    docs = [[5, 10, 7], [27, 3]]
+    mb = make_microbatch(
+        [[Doc(np.arange(n, dtype=np.int32), np.ones(n, bool)) for n in r] for r in docs],
+        s,
+        0,
+        2 * cp,
+    )
+    pmask = attention_mask_from_segments(mb.segment_ids)
+    whole_p = [t.clone().requires_grad_() for t in (q, k, v)]
+    qw, kw, vw = (t.permute(1, 2, 0, 3) for t in whole_p)
+    ref_p = F.scaled_dot_product_attention(
+        qw, kw, vw, attn_mask=~pmask, scale=scale, enable_gqa=True
+    )
+    ref_p = ref_p.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+    ref_p.backward(grad_out)
+    prow = row_positions(mb, cp, rank)  # [b, s / cp]
+
+    def at_rows(t):  # [s, b, ...] -> [s / cp, b, ...], row i at its positions prow[i]
+        return torch.stack([t[prow[i], i] for i in range(b)], dim=1)
+
+    mine_p = [at_rows(t).clone().requires_grad_() for t in (q, k, v)]
+    pmask_local = cp_attention.local_mask(pmask, prow, gathered_row_positions(mb, cp))
+    got_p = cp_attention.attention(*mine_p, pmask_local, scale, dist.group.WORLD)
+    got_p.backward(at_rows(grad_out))
+    packed = {
+        f"packed_{n}": rel(m.grad, at_rows(w.grad)) for n, m, w in zip("qkv", mine_p, whole_p)
+    }
+    packed["packed_out"] = rel(got_p, at_rows(ref_p.detach()))
+    whole_doc = document_positions(torch.tensor([0, s]), cp, rank)
 
     # the slices against megatron's get_batch_on_this_cp_rank: the batch and the RoPE angles
     from megatron.core.utils import get_batch_on_this_cp_rank
@@ -133,6 +186,12 @@ def attention_against_whole(seed: int = 0) -> dict:
 
     return {
         "same_batch": all(torch.equal(getattr(ours, k), theirs[k]) for k in keys),
+        # one unpadded document of the whole row: the per-document split is megatron's too
+        "same_document_split": torch.equal(
+            whole_doc,
+            get_batch_on_this_cp_rank({"i": torch.arange(s)[None]}, dist.group.WORLD)["i"][0],
+        ),
+        **packed,
         "same_rope": same_emb,
         "shape": tuple(got.shape),
         "out": rel(got, ref.detach().index_select(0, idx)),

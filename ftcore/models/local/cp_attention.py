@@ -16,8 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ftcore.data.cp import gathered_positions, local_positions
-
 
 class _GatherSequence(torch.autograd.Function):
     """[s_local, ...] -> [cp * s_local, ...] over `group` (rank order); backward sums the
@@ -43,13 +41,14 @@ def gather_sequence(t: torch.Tensor, group) -> torch.Tensor:
     return _GatherSequence.apply(t, group)
 
 
-def local_mask(mask: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
-    """[b, 1, s, s] mask of the whole rows -> [b, 1, s / cp, s]: this rank's query rows, key
-    columns in the order of the all-gathered keys (True = masked out)."""
-    s = mask.shape[-1]
-    rows = local_positions(s, cp, rank).to(mask.device)
-    cols = gathered_positions(s, cp).to(mask.device)
-    return mask.index_select(2, rows).index_select(3, cols)
+def local_mask(mask: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """[b, 1, s, s] mask of the whole rows -> [b, 1, s / cp, s]: this rank's query rows `rows`
+    ([b, s / cp], data/cp.py row_positions), key columns in the order of the all-gathered keys
+    `cols` ([b, s], gathered_row_positions) (True = masked out)."""
+    b, _, s, _ = mask.shape
+    rows, cols = rows.to(mask.device), cols.to(mask.device)
+    picked = mask.gather(2, rows[:, None, :, None].expand(b, 1, rows.shape[1], s))
+    return picked.gather(3, cols[:, None, None, :].expand(b, 1, rows.shape[1], s))
 
 
 def attention(query, key, value, mask, scale: float, group) -> torch.Tensor:

@@ -63,7 +63,12 @@ def test_unknown_group_option_lists_options():
         (["parallel.cp=2", "parallel.cp_comm_type=ring"], 2, "parallel.cp_comm_type"),
         (["parallel.cp=3"], 3, "data.seq_len"),  # 128 tokens do not cut into 6 chunks
         (["parallel.cp=2", "eval.accuracy=true"], 2, "eval.accuracy"),
-        (["parallel.cp=2", "cluster=h100"], 2, "data.packing"),  # THD under CP: not wired
+        # packed rows on GPU: one row per micro-batch (THD), under CP too
+        (
+            ["parallel.cp=2", "cluster=h100", "train.micro_batch_size=2"],
+            2,
+            "train.micro_batch_size",
+        ),
         (["parallel.cp=2", "parallel.cp_comm_type=a2a+p2p"], 2, "parallel.cp_comm_type"),
     ],
 )
@@ -78,8 +83,17 @@ def test_validation_names_the_field(overrides, world, field):
 
 
 def test_context_parallel_layouts_validate():
-    """cp=2 on CPU with packed rows, and a2a where the KV heads divide by cp."""
+    """cp=2 with packed rows on CPU and on GPU (TE's THD split), and a2a where the KV heads
+    divide by cp."""
     assert validate(compose(["+exp=tiny_full", "parallel.cp=2"]), 2) == 1
+    gpu = [
+        "+exp=tiny_full",
+        "parallel.cp=2",
+        "cluster=h100",
+        "train.micro_batch_size=1",
+        "cluster.num_gpus=2",
+    ]
+    assert validate(compose([*gpu, "data.packing=true"]), 2) == 1
     a2a = ["+exp=tiny_full", "parallel.cp=4", "parallel.cp_comm_type=a2a"]
     assert validate(compose(a2a), 8) == 2
 
