@@ -242,6 +242,7 @@ class DataConfig:
     val_path: Optional[str] = None
     val_fraction: float = 0.0
     cache_dir: Optional[str] = None  # default ~/.cache/ftcore/data
+    tokenize_workers: int = 0  # processes building the cache; 0 = every CPU for data >= 32 MB
     mix: list[DataMixEntry] = field(default_factory=list)
     max_samples: Optional[int] = None
 
