@@ -289,7 +289,9 @@ class SdpaAttention(DotProductAttention):
 
     def _context_parallel(self, query, key, value, mask, bias, packed_seq_params):
         if self._megatron_only() or mask is None or bias is not None or packed_seq_params:
-            raise NotImplementedError(
+            # a guard, not a gap: step.py always gives the CPU path a mask and no THD input, and
+            # ftcore configures none of the others
+            raise RuntimeError(
                 "context parallelism on the local attention takes a mask from step.py and no "
                 "dropout, softmax offset, window, bias or THD input"
             )
