@@ -22,11 +22,13 @@ import torch
 
 from tests.support.hf_helpers import (
     SEQ,
+    check_against_hf,
     hf_model,
     hf_text_loss,
     load_case,
     make_tiny_hf,
     read_hf_dir,
+    rel_error,
     tokens,
     write_text_data,
 )
@@ -55,21 +57,8 @@ def built(tmp_path_factory):
     return get
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
-
-
 def _check(results, ref, what):
-    logits = [r["logits"] for r in results if r["logits"] is not None]
-    assert logits, f"{what}: no rank returned logits"
-    for got in logits:
-        assert got.shape == ref["logits"].shape
-        rel = _rel(got, ref["logits"])
-        assert rel <= RTOL, f"{what}: logits differ from HF by {rel:.2e} (relative)"
-    ev = results[0]["eval"]
-    assert ev["tokens"] == ref["loss"]["tokens"]
-    rel = abs(ev["loss"] - ref["loss"]["loss"]) / ref["loss"]["loss"]
-    assert rel <= RTOL, f"{what}: eval loss {ev['loss']} vs HF {ref['loss']['loss']} ({rel:.2e})"
+    check_against_hf(results, ref, what, RTOL)
 
 
 def _bit_identical(out: Path, ref: dict, what: str) -> None:
@@ -174,11 +163,13 @@ def test_lora_tp2_peft_oracle(family, pool2, built, tmp_path):
         want = peft_model(input_ids=x[:, :SEQ]).logits.float()
         base = hf_model(path)(input_ids=x[:, :SEQ]).logits.float()
         merged = hf_model(ours["merged"])(input_ids=x[:, :SEQ]).logits.float()
-    assert _rel(want, base) > 1e-3, "the adapter did not change the model"
-    assert _rel(ours["logits"], want) <= RTOL, (
-        f"{family}: ftcore vs PEFT {_rel(ours['logits'], want):.2e}"
+    assert rel_error(want, base) > 1e-3, "the adapter did not change the model"
+    assert rel_error(ours["logits"], want) <= RTOL, (
+        f"{family}: ftcore vs PEFT {rel_error(ours['logits'], want):.2e}"
     )
     loss = torch.nn.functional.cross_entropy(want.double().reshape(-1, want.shape[-1]),
                                              x[:, 1:].reshape(-1)).item()  # fmt: skip
     assert abs(ours["loss"] - loss) <= RTOL * loss, f"{family}: loss {ours['loss']} vs PEFT {loss}"
-    assert _rel(merged, want) <= 1e-4, f"{family}: merged at TP=2 vs PEFT {_rel(merged, want):.2e}"
+    assert rel_error(merged, want) <= 1e-4, (
+        f"{family}: merged at TP=2 vs PEFT {rel_error(merged, want):.2e}"
+    )

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.support.hf_helpers import (
+    check_against_hf,
     hf_model,
     hf_text_loss,
     load_case,
@@ -38,29 +39,8 @@ def tiny(tmp_path_factory):
     }
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest elementwise error relative to the largest reference magnitude."""
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
-
-
 def _check(results, tiny, what):
-    logits = [r["logits"] for r in results if r["logits"] is not None]
-    assert logits, f"{what}: no rank returned logits"
-    for got in logits:
-        assert got.shape == tiny["logits"].shape
-        rel = _rel(got, tiny["logits"])
-        assert rel <= RTOL, f"{what}: logits differ from HF by {rel:.2e} (relative) > {RTOL}"
-        print(f"{what}: logits max error / max |logit| = {rel:.1e}")
-    ev = results[0]["eval"]
-    assert ev["tokens"] == tiny["loss"]["tokens"], (
-        f"{what}: {ev['tokens']} target tokens, HF has {tiny['loss']['tokens']}"
-    )
-    rel = abs(ev["loss"] - tiny["loss"]["loss"]) / tiny["loss"]["loss"]
-    assert rel <= RTOL, f"{what}: eval loss {ev['loss']} vs HF {tiny['loss']['loss']} ({rel:.2e})"
-    print(
-        f"{what}: eval loss {ev['loss']:.8f} vs HF {tiny['loss']['loss']:.8f} (relative {rel:.1e})"
-    )
-    assert abs(ev["ppl"] - torch.tensor(ev["loss"]).exp().item()) < 1e-6 * ev["ppl"]
+    check_against_hf(results, tiny, what, RTOL)
 
 
 @pytest.mark.dist

@@ -263,3 +263,32 @@ def eval_case(hf_dir: str, run_dir: str, overrides: list[str]) -> dict:
     from ftcore.eval import evaluate
 
     return evaluate(compose_hf(hf_dir, run_dir, overrides))
+
+
+def rel_error(a, b) -> float:
+    """Largest elementwise error relative to the largest reference magnitude."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def check_against_hf(results, ref, what: str, rtol: float) -> None:
+    """Every rank's logits and the eval loss (target tokens, perplexity) of a load_case run
+    against transformers' (`ref`: "logits" and "loss" from hf_text_loss)."""
+    import torch
+
+    logits = [r["logits"] for r in results if r["logits"] is not None]
+    assert logits, f"{what}: no rank returned logits"
+    for got in logits:
+        assert got.shape == ref["logits"].shape
+        rel = rel_error(got, ref["logits"])
+        assert rel <= rtol, f"{what}: logits differ from HF by {rel:.2e} (relative) > {rtol}"
+        print(f"{what}: logits max error / max |logit| = {rel:.1e}")
+    ev = results[0]["eval"]
+    assert ev["tokens"] == ref["loss"]["tokens"], (
+        f"{what}: {ev['tokens']} target tokens, HF has {ref['loss']['tokens']}"
+    )
+    rel = abs(ev["loss"] - ref["loss"]["loss"]) / ref["loss"]["loss"]
+    assert rel <= rtol, f"{what}: eval loss {ev['loss']} vs HF {ref['loss']['loss']} ({rel:.2e})"
+    print(
+        f"{what}: eval loss {ev['loss']:.8f} vs HF {ref['loss']['loss']:.8f} (relative {rel:.1e})"
+    )
+    assert abs(ev["ppl"] - torch.tensor(ev["loss"]).exp().item()) < 1e-6 * ev["ppl"]
