@@ -5,6 +5,7 @@ FtcoreError naming the field and the fix."""
 from __future__ import annotations
 
 import copy
+import math
 
 from omegaconf import DictConfig
 
@@ -16,8 +17,7 @@ from ftcore.planner.layers import split_layers
 
 CHOICES = {
     "parallel.recompute": ("none", "selective", "full"),
-    # a2a+p2p needs megatron's hierarchical CP group sizes, not wired (the planner prices it)
-    "parallel.cp_comm_type": ("p2p", "all_gather", "a2a"),
+    "parallel.cp_comm_type": cp.COMM_TYPES,
     "model.init_method": ("auto", "layout_independent", "sharded"),
     "model.family": tuple(FAMILIES),
     "peft.name": ("none", "lora", "qlora"),
@@ -116,7 +116,8 @@ def check_sequence(cfg: DictConfig) -> None:
             "(e.g. model=llama31_70b: 131072, with Llama 3.1's RoPE scaling)",
         )
     comm = cp.comm_type(p)
-    problem = cp.layout_problem(m, p.tp, p.cp, comm)
+    check_hierarchical_sizes(p)
+    problem = cp.layout_problem(m, p.tp, p.cp, comm, getattr(p, "hierarchical_cp_sizes", None))
     if problem:
         field, what, fix = problem
         raise FtcoreError(what, field=field, fix=fix)
@@ -127,6 +128,28 @@ def check_sequence(cfg: DictConfig) -> None:
             "split over tp under sp",
             field="data.seq_len",
             fix=f"use a multiple of {mult}, e.g. {-(-s // mult) * mult}",
+        )
+
+
+def check_hierarchical_sizes(p) -> None:
+    """parallel.hierarchical_cp_sizes: set exactly when cp_comm_type=a2a+p2p (a setting that
+    would be ignored is refused), as at least two group sizes whose product is cp."""
+    sizes = list(getattr(p, "hierarchical_cp_sizes", None) or [])
+    hier = p.cp > 1 and cp.comm_type(p) == "a2a+p2p"
+    if sizes and not hier:
+        raise FtcoreError(
+            f"hierarchical_cp_sizes={sizes} is only used with cp > 1 and cp_comm_type=a2a+p2p",
+            field="parallel.hierarchical_cp_sizes",
+            fix="remove it, or set parallel.cp_comm_type=a2a+p2p",
+        )
+    if hier and (len(sizes) < 2 or min(sizes) < 1 or math.prod(sizes) != p.cp):
+        a2a = 2 if p.cp % 2 == 0 else p.cp
+        raise FtcoreError(
+            f"cp_comm_type=a2a+p2p needs the sizes of its all-to-all and ring groups, whose product "
+            f"is cp={p.cp} (got {sizes or 'none'})",
+            field="parallel.hierarchical_cp_sizes",
+            fix=f"e.g. parallel.hierarchical_cp_sizes=[{a2a},{p.cp // a2a}] (all-to-all inside a "
+            "node, the ring across nodes)",
         )
 
 

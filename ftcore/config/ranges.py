@@ -74,6 +74,7 @@ RANGES: dict[str, Range] = {
     "parallel.pp": AT_LEAST_1,
     "parallel.vp": AT_LEAST_1,
     "parallel.cp": AT_LEAST_1,
+    "parallel.hierarchical_cp_sizes.*": AT_LEAST_1,
     "parallel.recompute_num_layers": AT_LEAST_1,
     "perf.manual_gc_interval": Range(0, note="0 = one collection, at the start"),
     "train.max_steps": AT_LEAST_1,

@@ -97,8 +97,12 @@ class ParallelConfig:
     vp: int = 1  # virtual stages per pipeline rank (1 = no interleaving)
     cp: int = 1
     # how Transformer Engine's attention exchanges K/V across the CP group on GPU (megatron's
-    # cp_comm_type): p2p | all_gather | a2a (docs/context_parallel.md). The CPU path is all-gather.
+    # cp_comm_type): p2p | all_gather | a2a | a2a+p2p (docs/context_parallel.md). The CPU path is
+    # all-gather.
     cp_comm_type: str = "p2p"
+    # a2a+p2p only: [all-to-all group, ring] sizes, product = cp (megatron's
+    # hierarchical_context_parallel_sizes): all-to-all inside a node, the ring across nodes
+    hierarchical_cp_sizes: Optional[list[int]] = None
     sp: bool = False  # sequence parallel, only with tp > 1
     distributed_optimizer: bool = False
     recompute: str = "none"  # none | selective | full

@@ -15,6 +15,7 @@ from ftcore.models.families import family_flags, local_qk_norms
 from ftcore.models.local.attention import SdpaAttention
 from ftcore.models.local.norm import RMSNorm
 from ftcore.peft.qlora import defer_base_linears
+from ftcore.planner import cp
 from ftcore.planner.layers import split_layers
 from ftcore.runtime import device_audit
 
@@ -57,6 +58,7 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
         context_parallel_size=p.cp,
         # TE's K/V exchange on GPU (docs/context_parallel.md); the CPU attention all-gathers
         cp_comm_type=p.cp_comm_type if p.cp > 1 else None,
+        hierarchical_context_parallel_sizes=cp.hierarchical_sizes(p),
         sequence_parallel=p.sp,
         params_dtype=dtype,
         pipeline_dtype=dtype,

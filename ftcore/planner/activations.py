@@ -120,7 +120,14 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
         and p.cp == 1,
         cp=p.cp,
         cp_comm=comm,
-        a2a=cp.a2a_size(m, p.tp, p.cp, comm, cfg.cluster.nvlink_domain or 1),
+        a2a=cp.a2a_size(
+            m,
+            p.tp,
+            p.cp,
+            comm,
+            cfg.cluster.nvlink_domain or 1,
+            getattr(p, "hierarchical_cp_sizes", None),
+        ),
         recompute_modules=tuple(getattr(p, "recompute_modules", ("core_attn",))),
     )
 

@@ -36,14 +36,23 @@ def seq_multiple(tp: int, sp: bool, cp: int) -> int:
     return (tp if sp else 1) * (2 * cp if cp > 1 else 1)
 
 
-def a2a_size(model, tp: int, cp: int, comm: str, nvlink_domain: int = 8) -> int:
-    """CP ranks one all-to-all spans: cp for a2a, 1 for p2p/all_gather; for a2a+p2p the largest
-    divisor of cp whose heads divide and whose tp*size ranks stay in one NVLink domain (ftcore has
-    no key for megatron's hierarchical_context_parallel_sizes: this is the planner's assumption)."""
+def hierarchical_sizes(parallel) -> list[int] | None:
+    """megatron's hierarchical_context_parallel_sizes: parallel.hierarchical_cp_sizes, only under
+    cp_comm_type=a2a+p2p (validation refuses them anywhere else)."""
+    sizes = getattr(parallel, "hierarchical_cp_sizes", None)
+    return [int(n) for n in sizes] if sizes and comm_type(parallel) == "a2a+p2p" else None
+
+
+def a2a_size(model, tp: int, cp: int, comm: str, nvlink_domain: int = 8, sizes=None) -> int:
+    """CP ranks one all-to-all spans: cp for a2a, 1 for p2p/all_gather; for a2a+p2p the first of
+    parallel.hierarchical_cp_sizes, or (a plan without them) the largest divisor of cp whose heads
+    divide and whose tp*size ranks stay in one NVLink domain: the planner's assumption."""
     if cp == 1 or comm in ("p2p", "all_gather"):
         return 1
     if comm == "a2a":
         return cp
+    if sizes:
+        return int(sizes[0])
     fits = [n for n in range(1, cp + 1) if cp % n == 0 and _heads_divide(model, tp, n)]
     inside = [n for n in fits if tp * n <= max(nvlink_domain, 1)]
     return max(inside or [1])
@@ -53,17 +62,19 @@ def _heads_divide(model, tp: int, n: int) -> bool:
     return (model.num_attention_heads // tp) % n == 0 and (model.num_query_groups // tp) % n == 0
 
 
-def layout_problem(model, tp: int, cp: int, comm: str) -> tuple[str, str, str] | None:
+def layout_problem(model, tp: int, cp: int, comm: str, sizes=None) -> tuple[str, str, str] | None:
     """(field, what is wrong, the fix) when TE would refuse this CP layout, else None."""
     if comm not in COMM_TYPES:
         return ("parallel.cp_comm_type", f"{comm!r} is not one of {', '.join(COMM_TYPES)}",
                 "p2p (the default) works for every model")  # fmt: skip
-    if cp > 1 and comm == "a2a" and not _heads_divide(model, tp, cp):
+    n = cp if comm == "a2a" else int(sizes[0]) if comm == "a2a+p2p" and sizes else 1
+    if cp > 1 and n > 1 and not _heads_divide(model, tp, n):
         heads, groups = model.num_attention_heads // tp, model.num_query_groups // tp
         return (
             "parallel.cp_comm_type",
-            f"a2a shards heads over cp={cp}, but a TP rank has {heads} heads and {groups} kv groups",
-            "use parallel.cp_comm_type=p2p or all_gather, or a cp that divides both",
+            f"{comm} shards heads over {n} CP ranks, but a TP rank has {heads} heads and "
+            f"{groups} kv groups",
+            "use parallel.cp_comm_type=p2p or all_gather, or an all-to-all size that divides both",
         )
     return None
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
+from ftcore.planner import cp
 
 log = logging.getLogger("ftcore")
 
@@ -218,6 +219,7 @@ def init_model_parallel(cfg: DictConfig, world: int, *, gloo_groups: bool = True
         pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vp if p.vp > 1 else None,
         context_parallel_size=p.cp,
+        hierarchical_context_parallel_sizes=cp.hierarchical_sizes(p),
         create_gloo_process_groups=gloo_groups,
     )
 

@@ -69,7 +69,30 @@ def test_unknown_group_option_lists_options():
             2,
             "train.micro_batch_size",
         ),
-        (["parallel.cp=2", "parallel.cp_comm_type=a2a+p2p"], 2, "parallel.cp_comm_type"),
+        (["parallel.cp=2", "parallel.cp_comm_type=a2a+p2p"], 2, "parallel.hierarchical_cp_sizes"),
+        (
+            [
+                "parallel.cp=4",
+                "parallel.cp_comm_type=a2a+p2p",
+                "parallel.hierarchical_cp_sizes=[2,3]",
+            ],
+            4,
+            "parallel.hierarchical_cp_sizes",  # 2 x 3 is not cp
+        ),
+        (
+            ["parallel.cp=2", "parallel.hierarchical_cp_sizes=[1,2]"],
+            2,
+            "parallel.hierarchical_cp_sizes",
+        ),
+        (
+            [
+                "parallel.cp=8",
+                "parallel.cp_comm_type=a2a+p2p",
+                "parallel.hierarchical_cp_sizes=[8,1]",
+            ],
+            8,
+            "parallel.cp_comm_type",  # the all-to-all over 8 ranks: tiny has 4 kv heads
+        ),
     ],
 )
 def test_validation_names_the_field(overrides, world, field):
@@ -96,6 +119,12 @@ def test_context_parallel_layouts_validate():
     assert validate(compose([*gpu, "data.packing=true"]), 2) == 1
     a2a = ["+exp=tiny_full", "parallel.cp=4", "parallel.cp_comm_type=a2a"]
     assert validate(compose(a2a), 8) == 2
+    hier = ["parallel.cp_comm_type=a2a+p2p", "parallel.hierarchical_cp_sizes=[2,2]"]
+    cfg = compose(["+exp=tiny_full", "parallel.cp=4", *hier])
+    assert validate(cfg, 4) == 1
+    from ftcore.models.llama import transformer_config  # megatron's own config takes the sizes
+
+    assert transformer_config(cfg, on_cpu=True).hierarchical_context_parallel_sizes == [2, 2]
 
 
 def test_generation_refuses_context_parallelism():
