@@ -117,7 +117,7 @@ def check_sequence(cfg: DictConfig) -> None:
         )
     comm = cp.comm_type(p)
     check_hierarchical_sizes(p)
-    problem = cp.layout_problem(m, p.tp, p.cp, comm, getattr(p, "hierarchical_cp_sizes", None))
+    problem = cp.layout_problem(m, p.tp, p.cp, comm, cp.hierarchical_sizes(p))
     if problem:
         field, what, fix = problem
         raise FtcoreError(what, field=field, fix=fix)

@@ -121,12 +121,7 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
         cp=p.cp,
         cp_comm=comm,
         a2a=cp.a2a_size(
-            m,
-            p.tp,
-            p.cp,
-            comm,
-            cfg.cluster.nvlink_domain or 1,
-            getattr(p, "hierarchical_cp_sizes", None),
+            m, p.tp, p.cp, comm, cfg.cluster.nvlink_domain or 1, cp.hierarchical_sizes(p)
         ),
         recompute_modules=tuple(getattr(p, "recompute_modules", ("core_attn",))),
     )
