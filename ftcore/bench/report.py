@@ -8,6 +8,8 @@ import math
 import statistics
 from pathlib import Path
 
+from ftcore.bench.overhead import overhead_md
+
 SPLIT = ("data", "fwd_bwd", "grad_sync", "pp_p2p", "optimizer", "other")
 
 
@@ -221,6 +223,18 @@ def plot(lines: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     vs_hf = bool(lines) and lines[0].get("kind") == "cpu_vs_hf"
+    if lines and lines[0].get("kind") == "host_overhead":
+        ok = [ln for ln in lines if ln.get("status") == "ok"]
+        fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(ok) + 2), 4.5))
+        ax.bar(range(len(ok)), [ln["cpu_ms"] for ln in ok],
+               color=["tab:gray" if ln["side"] == "hf" else "tab:blue" for ln in ok])  # fmt: skip
+        ax.set_ylabel("CPU ms per training step (median)")
+        ax.set_xticks(list(range(len(ok))))
+        ax.set_xticklabels([f"{ln['label']} r{ln['round']}" for ln in ok], rotation=30, ha="right")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return
     # one bar (group) per run: cpu_vs_hf's medians over its rounds, a layouts run's own line
     ok = summary(lines) if vs_hf else [ln for ln in lines if ln.get("status") == "ok"]
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(ok) + 2), 4.5))
@@ -257,7 +271,11 @@ def write(out_dir: Path) -> tuple[Path, Path]:
         md.write_text("# bench\n\nno results yet\n")
         plot([], png)
         return md, png
-    body = cpu_vs_hf_md(lines) if lines[0].get("kind") == "cpu_vs_hf" else layouts_md(lines)
+    kind = lines[0].get("kind")
+    if kind == "host_overhead":
+        body = overhead_md(lines)
+    else:
+        body = cpu_vs_hf_md(lines) if kind == "cpu_vs_hf" else layouts_md(lines)
     md.write_text("\n".join(_header(lines) + body) + "\n")
     plot(lines, png)
     return md, png

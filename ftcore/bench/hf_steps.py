@@ -1,0 +1,65 @@
+"""The Hugging Face side of bench/host_overhead: PEFT LoRA training steps of a tiny HF Llama.
+
+A plain loop (forward, backward, gradient clipping, fused AdamW, zero_grad) over one fixed
+micro-batch: what one training step of the Trainer runs, without the Trainer's own per-step work,
+which does not grow with depth and so drops out of the per-layer figure the benchmark reports.
+Run as `python -m ftcore.bench.hf_steps` with FTCORE_BENCH_SPEC naming {"out", "model_dir", "rows",
+"seq_len", "warmup", "measure", "threads", "lora": {r, alpha, targets}}; it writes the result JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+SPEC_ENV = "FTCORE_BENCH_SPEC"
+
+
+def run_steps(spec: dict) -> dict:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(int(spec.get("threads") or 1))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa"
+    )
+    lora = spec["lora"]
+    model = get_peft_model(model, LoraConfig(r=int(lora["r"]), lora_alpha=float(lora["alpha"]),
+                                             target_modules=list(lora["targets"]),
+                                             task_type="CAUSAL_LM"))  # fmt: skip
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    rows, seq = int(spec["rows"]), int(spec["seq_len"])
+    ids = torch.randint(0, model.config.vocab_size, (rows, seq))
+    model.train()
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    steps = []
+    for i in range(int(spec["warmup"]) + int(spec["measure"])):
+        t0, c0 = time.perf_counter(), time.process_time()
+        step()
+        steps.append({"warmup": i < int(spec["warmup"]), "step_time_s": time.perf_counter() - t0,
+                      "cpu_s": time.process_time() - c0})  # fmt: skip
+    return {"side": "hf", "steps": steps, "threads": torch.get_num_threads()}
+
+
+def main() -> int:
+    spec = json.loads(Path(os.environ[SPEC_ENV]).read_text())
+    result = run_steps(spec)
+    tmp = Path(spec["out"]).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, spec["out"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
