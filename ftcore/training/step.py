@@ -157,7 +157,13 @@ def is_loss_rank() -> bool:
 
 
 def is_data_rank() -> bool:
-    return ps.get_pipeline_model_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+    """One rank per data-parallel replica: TP, PP and CP ranks all load the same micro-batches
+    (CP slices its rows inside the step), so counting theirs would count every token again."""
+    return (
+        ps.get_pipeline_model_parallel_rank() == 0
+        and ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0
+    )
 
 
 def run_batches(

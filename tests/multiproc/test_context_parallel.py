@@ -48,6 +48,11 @@ def _check(results: list[dict], reference: dict, name: str) -> None:
         assert all(r["seen"] == [SEQ // 2] for r in ranks), (what, [r["seen"] for r in ranks])
         last = [r for r in ranks if r["targets"]]  # logits at this rank's own targets only
         assert last and all(r["output_rows"] == r["targets"] for r in last), what
+        # every rank reports the step's tokens over the world, each counted once
+        assert all(r["tokens"] == ref["tokens"] for r in ranks), (
+            what,
+            [r["tokens"] for r in ranks],
+        )
         _close(got["loss"], ref["loss"], f"{what} losses")
         _close(got["grad_norm"], ref["grad_norm"], f"{what} grad norms")
         _close(got["eval"][0], ref["eval"][0], f"{what} eval loss")

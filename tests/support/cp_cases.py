@@ -71,15 +71,16 @@ def train_unpacked_and_packed(
                 if isinstance(m, SdpaAttention):
                     m.register_forward_hook(lambda mod, a, o, seen=seen: seen.add(a[0].shape[0]))
         rows, mbs = output_rows(state), record_microbatches(state)
-        losses, norms = [], []
+        losses, norms, tokens = [], [], []
         for _ in range(steps):
             step = trainer.train_step(state)
             losses.append(step["loss"])
             norms.append(step["grad_norm"])
+            tokens.append(step["tokens"])
         cp, rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         targets = [max(1, int(shard(mb, cp, rank).loss_mask.sum())) for mb in mbs] if rows else []
         held_out = evaluate(state, [state.loader.next_microbatches()])
-        out[mode] = {"loss": losses, "grad_norm": norms, "weights": full_weights(state),
+        out[mode] = {"loss": losses, "grad_norm": norms, "tokens": tokens, "weights": full_weights(state),
                      "eval": (held_out.loss, held_out.tokens), "seen": sorted(seen),
                      "output_rows": rows[: len(targets)], "targets": targets}  # fmt: skip
     return out
