@@ -241,11 +241,13 @@ def tables(pred: Predictor, rows: list[dict]) -> list[str]:
             f"| {h.held_out / h.published - 1:+.1%} "
             f"| {k.matmul_efficiency:.2f}, {k.attention_efficiency:.2f}: {h.source} |"
         )
-    for name, sel in (("all rows", loo), ("rows with a same-family fit", [h for h in loo
-                                                                          if "borrowed" not in h.source])):  # fmt: skip
+    own = [h for h in loo if not h.source.startswith("borrowed")]
+    for name, sel in (("all rows", loo), ("rows whose family has another row", own)):
         ins = statistics.median(abs_error(h.in_sample, h.published) for h in sel)
         held = statistics.median(abs_error(h.held_out, h.published) for h in sel)
-        out.append(f"| median absolute error, {name} ({len(sel)}) | | | {ins:.1%} | | {held:.1%} | |")
+        out.append(
+            f"| median absolute error, {name} ({len(sel)}) | | | {ins:.1%} | | {held:.1%} | |"
+        )
     return out
 
 
