@@ -42,6 +42,8 @@ def _layout(lay: dict) -> str:
     if lay["vp"] > 1:
         parts.append(f"vp{lay['vp']}")
     parts.append(f"dp{lay['dp']}")
+    if lay.get("cp", 1) > 1:
+        parts.append(f"cp{lay['cp']}")
     if lay["sp"]:
         parts.append("sp")
     if lay["distributed_optimizer"]:
@@ -84,24 +86,30 @@ def _header(lines: list[dict]) -> list[str]:
 
 
 def layouts_md(lines: list[dict]) -> list[str]:
+    marked = any("held_out" in ln for ln in lines)  # a planner fit column where the bench says
+
+    def fit(ln: dict) -> str:
+        return f" {FIT.get(ln.get('held_out'), '–')} |" if marked else ""
+
     out = [
-        "| run | planner fit | layout | tokens/s/GPU | slot tok/s/GPU | predicted | host fp32 GFLOP/s "
-        "| meas/pred "
+        f"| run |{' planner fit |' if marked else ''} layout | tokens/s/GPU | slot tok/s/GPU "
+        "| predicted | host fp32 GFLOP/s | meas/pred "
         "| step s (median, spread) "
         "| CPU s/step | meas/pred (CPU s) | TFLOP/s/GPU | MFU | peak GiB | split s/step: "
         + " / ".join(SPLIT)
         + " |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|"
+        + ("---|" if marked else "")
+        + "---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for ln in lines:
         if ln.get("status") != "ok":
-            out.append(f"| {ln['label']} | {FIT.get(ln.get('held_out'), '–')} "
-                       f"| failed: {ln.get('error', '')[:120]} ||||||||||")  # fmt: skip
+            out.append(f"| {ln['label']} |{fit(ln)} failed: {ln.get('error', '')[:120]} ||||||||||")
             continue
         pred = ln.get("predicted") or {}
         split = ln.get("time_split_s", {})
         out.append(
-            f"| {ln['label']} | {FIT.get(ln.get('held_out'), '–')} | {_layout(ln['layout'])} "
+            f"| {ln['label']} |{fit(ln)} {_layout(ln['layout'])} "
             f"| {_f(ln['tokens_per_s_per_gpu'])} "
             f"| {_f(ln['slot_tokens_per_s_per_gpu'])} | {_f(pred.get('tokens_per_s_per_gpu'))} "
             f"| {_f((ln.get('host_probe') or {}).get('fp32', math.nan) * 1e3)} "
@@ -124,8 +132,13 @@ def layouts_md(lines: list[dict]) -> list[str]:
         "of a worker and TFLOP/s/MFU are against conf/cluster's nominal peak. Split: mean seconds per "
         "step, averaged over ranks (fwd_bwd: the forward-backward schedule, TP collectives included; "
         "grad_sync: finalize_model_grads; pp_p2p: pipeline sends/receives including waits; other: "
-        "the rest of the step). Planner fit: whether the planner's constants were fitted to the "
-        "run (fitted) or not (held out: its meas/pred is out of sample).",
+        "the rest of the step)."
+        + (
+            " Planner fit: whether the planner's constants were fitted to the run (fitted) or not "
+            "(held out: its meas/pred is out of sample)."
+            if marked
+            else ""
+        ),
         *_by_fit(lines),
     ]
     return out
