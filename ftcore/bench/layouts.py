@@ -92,6 +92,8 @@ def run_layouts(b: Bench) -> None:
         rdir = b.runs_dir / run.label
         ov.append(f"run.dir={rdir}")
         line = {"label": run.label, "overrides": run.overrides, "env": run.env}
+        if run.held_out is not None:  # the planner's local_cpu constants fitted to it, or not
+            line["held_out"] = run.held_out
         try:
             layout = layout_of(ov)
         except FtcoreError as e:

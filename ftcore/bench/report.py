@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ftcore.bench.overhead import overhead_md
 
+FIT = {True: "held out", False: "fitted"}
 SPLIT = ("data", "fwd_bwd", "grad_sync", "pp_p2p", "optimizer", "other")
 
 
@@ -43,6 +44,8 @@ def _layout(lay: dict) -> str:
     if lay["vp"] > 1:
         parts.append(f"vp{lay['vp']}")
     parts.append(f"dp{lay['dp']}")
+    if lay.get("cp", 1) > 1:
+        parts.append(f"cp{lay['cp']}")
     if lay["sp"]:
         parts.append("sp")
     if lay["distributed_optimizer"]:
@@ -85,22 +88,31 @@ def _header(lines: list[dict]) -> list[str]:
 
 
 def layouts_md(lines: list[dict]) -> list[str]:
+    marked = any("held_out" in ln for ln in lines)  # a planner fit column where the bench says
+
+    def fit(ln: dict) -> str:
+        return f" {FIT.get(ln.get('held_out'), '–')} |" if marked else ""
+
     out = [
-        "| run | layout | tokens/s/GPU | slot tok/s/GPU | predicted | host fp32 GFLOP/s | meas/pred "
+        f"| run |{' planner fit |' if marked else ''} layout | tokens/s/GPU | slot tok/s/GPU "
+        "| predicted | host fp32 GFLOP/s | meas/pred "
         "| step s (median, spread) "
         "| CPU s/step | meas/pred (CPU s) | TFLOP/s/GPU | MFU | peak GiB | split s/step: "
         + " / ".join(SPLIT)
         + " |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|"
+        + ("---|" if marked else "")
+        + "---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for ln in lines:
         if ln.get("status") != "ok":
-            out.append(f"| {ln['label']} | failed: {ln.get('error', '')[:120]} ||||||||||")
+            out.append(f"| {ln['label']} |{fit(ln)} failed: {ln.get('error', '')[:120]} ||||||||||")
             continue
         pred = ln.get("predicted") or {}
         split = ln.get("time_split_s", {})
         out.append(
-            f"| {ln['label']} | {_layout(ln['layout'])} | {_f(ln['tokens_per_s_per_gpu'])} "
+            f"| {ln['label']} |{fit(ln)} {_layout(ln['layout'])} "
+            f"| {_f(ln['tokens_per_s_per_gpu'])} "
             f"| {_f(ln['slot_tokens_per_s_per_gpu'])} | {_f(pred.get('tokens_per_s_per_gpu'))} "
             f"| {_f((ln.get('host_probe') or {}).get('fp32', math.nan) * 1e3)} "
             f"| {_f(ln.get('measured_over_predicted'), '.2f')} "
@@ -122,9 +134,29 @@ def layouts_md(lines: list[dict]) -> list[str]:
         "of a worker and TFLOP/s/MFU are against conf/cluster's nominal peak. Split: mean seconds per "
         "step, averaged over ranks (fwd_bwd: the forward-backward schedule, TP collectives included; "
         "grad_sync: finalize_model_grads; pp_p2p: pipeline sends/receives including waits; other: "
-        "the rest of the step).",
+        "the rest of the step)."
+        + (
+            " Planner fit: whether the planner's constants were fitted to the run (fitted) or not "
+            "(held out: its meas/pred is out of sample)."
+            if marked
+            else ""
+        ),
+        *_by_fit(lines),
     ]
     return out
+
+
+def _by_fit(lines: list[dict]) -> list[str]:
+    """Median and range of meas/pred over the fitted runs and over the held-out ones."""
+    out = []
+    for held, name in ((False, "fitted"), (True, "held out")):
+        for key, what in (("measured_over_predicted", "meas/pred"),
+                          ("measured_over_predicted_cpu", "meas/pred (CPU s)")):  # fmt: skip
+            r = [ln[key] for ln in lines if ln.get("held_out") is held and ln.get(key)]
+            if r:
+                out.append(f"- {name} runs ({len(r)}): {what} median {statistics.median(r):.2f}, "
+                           f"range {min(r):.2f}–{max(r):.2f}")  # fmt: skip
+    return ["", *out] if out else []
 
 
 def summary(lines: list[dict]) -> list[dict]:

@@ -46,6 +46,7 @@ class Run:
     label: str
     overrides: list[str]
     env: dict = field(default_factory=dict)
+    held_out: bool | None = None  # the planner's constants were not fitted to it (None: not said)
 
 
 def _short(o: str) -> str:
@@ -54,7 +55,8 @@ def _short(o: str) -> str:
 
 
 def expand_runs(bench: DictConfig) -> list[Run]:
-    """bench.runs (lists of overrides or {label, overrides, env}), then the product of bench.sweep."""
+    """bench.runs (lists of overrides or {label, overrides, env, held_out}), then the product of
+    bench.sweep."""
     runs = []
     for i, r in enumerate(bench.runs):
         r = OmegaConf.to_container(r, resolve=True) if not isinstance(r, (str, list)) else r
@@ -64,7 +66,12 @@ def expand_runs(bench: DictConfig) -> list[Run]:
             r = {"overrides": r}
         ov = [str(o) for o in r.get("overrides", [])]
         label = r.get("label") or (",".join(_short(o) for o in ov) or f"run{i}")
-        runs.append(Run(str(label), ov, {str(k): str(v) for k, v in (r.get("env") or {}).items()}))
+        env = {str(k): str(v) for k, v in (r.get("env") or {}).items()}
+        held = r.get("held_out")
+        if held is not None and not isinstance(held, bool):
+            raise FtcoreError(f"run {label}: held_out is {held!r}", field="bench.runs.held_out",
+                              fix="true (the planner was not fitted to this run) or false")  # fmt: skip
+        runs.append(Run(str(label), ov, env, held))
     sweep = OmegaConf.to_container(bench.sweep, resolve=True) if bench.sweep else {}
     if sweep:
         keys = list(sweep)

@@ -41,6 +41,20 @@ def test_runs_lists_dicts_and_sweep():
     assert runs[2].overrides == ["parallel.recompute=none", "data.packing=true"]
 
 
+def test_held_out_marks_a_run_the_planner_was_not_fitted_to():
+    runs = expand_runs(_bench(runs=[{"label": "a", "overrides": [], "held_out": True},
+                                    {"label": "b", "overrides": [], "held_out": False}, ["x=1"]]))  # fmt: skip
+    assert [r.held_out for r in runs] == [True, False, None]
+    with pytest.raises(FtcoreError, match="held_out") as e:
+        expand_runs(_bench(runs=[{"label": "a", "overrides": [], "held_out": "yes"}]))
+    assert e.value.field == "bench.runs.held_out"
+    # the shipped layouts_cpu marks the nine runs local_cpu was fitted to; the holdout bench none
+    fitted = [r.held_out for r in expand_runs(compose(["bench=layouts_cpu"]).bench)]
+    assert fitted.count(False) == 9 and None not in fitted
+    holdout = expand_runs(compose(["bench=layouts_cpu_holdout"]).bench)
+    assert holdout and all(r.held_out is True for r in holdout)
+
+
 def test_duplicate_labels_and_empty_bench_are_user_errors():
     with pytest.raises(FtcoreError, match="duplicate"):
         expand_runs(_bench(runs=[["parallel.tp=2"], ["parallel.tp=2"]]))
@@ -92,6 +106,21 @@ def test_report_is_the_latest_invocation(tmp_path):
     assert "tp2 pp1 dp1 sp packed" in text and "failed: exit 1: boom" in text
     assert "load average 1.0–2.0" in text
     assert png.read_bytes().startswith(PNG)
+
+
+def test_report_labels_fitted_and_held_out_runs(tmp_path):
+    lines = [_layout_line("fit", held_out=False, measured_over_predicted=1.1),
+             _layout_line("new1", held_out=True, measured_over_predicted=0.8),
+             _layout_line("new2", held_out=True, measured_over_predicted=1.3),
+             _layout_line("plain")]  # fmt: skip
+    (tmp_path / "bench.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    text = report.write(tmp_path)[0].read_text()
+    rows = {r.split("|")[1].strip(): r.split("|")[2].strip() for r in text.splitlines()
+            if r.startswith("| ") and "---" not in r}  # fmt: skip
+    assert rows == {"run": "planner fit", "fit": "fitted", "new1": "held out",
+                    "new2": "held out", "plain": "–"}  # fmt: skip
+    assert "- fitted runs (1): meas/pred median 1.10, range 1.10–1.10" in text
+    assert "- held out runs (2): meas/pred median 1.05, range 0.80–1.30" in text
 
 
 def _run_bench(name: str, out: Path, *extra: str) -> list[dict]:

@@ -3,70 +3,18 @@ set of per-GPU constants, each row written as overrides on +exp=70b_lora (LoRA) 
 
 from __future__ import annotations
 
-import csv
-from pathlib import Path
-
 import pytest
 
 from ftcore.config.schema import compose
-from ftcore.planner import flops, host
+from ftcore.planner import fit, flops, host
 from ftcore.planner.throughput import throughput
 
-ANCHORS = Path(__file__).resolve().parents[2] / "data" / "published_throughput.csv"
-PRECISION = {"fp8": "fp8_delayed", "fp8_cs": "fp8_cs", "bf16": "bf16"}
+ANCHORS = fit.ROWS_CSV
+overrides, row_id = fit.overrides, fit.row_id
 
 
 def rows() -> list[dict]:
-    if not ANCHORS.exists():
-        return []
-    with open(ANCHORS) as f:
-        return list(csv.DictReader(line for line in f if not line.startswith("#")))
-
-
-def overrides(r: dict) -> tuple[str, list[str]]:
-    """(exp, overrides) reproducing one published row."""
-    lora = r["task"] == "lora"
-    ov = [
-        f"model={r['model']}",
-        f"peft={'lora' if lora else 'none'}",
-        f"precision={PRECISION[r['precision']]}",
-        f"cluster={r['gpu'].lower()}",
-        f"cluster.num_gpus={r['num_gpus']}",
-        f"parallel.tp={r['tp']}",
-        f"parallel.pp={r['pp']}",
-        f"parallel.vp={r['vp']}",
-        f"parallel.cp={r['cp']}",
-        f"parallel.sp={str(int(r['tp']) > 1).lower()}",
-        "parallel.recompute=none",
-        f"data.seq_len={r['seq_len']}",
-        f"train.global_batch_size={r['gbs']}",
-        f"train.micro_batch_size={r['mbs']}",
-    ]
-    if lora:
-        ov.append("peft.target_modules=[linear_qkv]")
-    return ("70b_lora" if lora else "70b_full"), ov + recipe_speed_flags(r)
-
-
-def recipe_speed_flags(r: dict) -> list[str]:
-    """The speed options the published recipe ran with (Megatron-Bridge's CommOverlapConfig and
-    perf recipes; NeMo's for the 24.07 row): TE userbuffers wherever TP > 1 with SP, pipeline sends
-    overlapped under interleaving, DP reduce and gather overlapped wherever DP > 1, bf16 gradient
-    buffers, no CUDA graphs priced (the planner has no term for them)."""
-    tp, pp, vp, cp = (int(r[k]) for k in ("tp", "pp", "vp", "cp"))
-    dp = int(r["num_gpus"]) // (tp * pp * cp)
-    on = lambda b: str(bool(b)).lower()  # noqa: E731
-    return [
-        f"parallel.tp_comm_overlap={on(tp > 1)}",
-        f"parallel.overlap_p2p_comm={on(pp > 1 and vp > 1)}",
-        f"parallel.overlap_grad_reduce={on(dp > 1)}",
-        f"parallel.overlap_param_gather={on(dp > 1)}",
-        "parallel.distributed_optimizer=true",
-        "perf.grad_reduce_dtype=bf16",
-    ]
-
-
-def row_id(r: dict) -> str:
-    return f"{r['model']}-{r['task']}-{r['num_gpus']}x{r['gpu']}"
+    return fit.load_rows(ANCHORS) if ANCHORS.exists() else []
 
 
 ROWS = rows()
@@ -221,6 +169,7 @@ def test_cpu_host_probe_keeps_each_rates_faster_pass(monkeypatch):
                 return 0.1 if next(calls) // 3 == slow_pass else 0.01  # 3 timings per pass
 
             monkeypatch.setattr(host, "_median_s", timed)
+            monkeypatch.setattr(host, "SLOW_S", float("inf"))  # the 1024^3 size, however loaded
             host.probe.cache_clear()
             rates = host.probe()
             assert rates["fp32"] == pytest.approx(2 * host.MATMUL_N**3 / 0.01 / 1e12)
