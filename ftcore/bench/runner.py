@@ -250,6 +250,9 @@ class Bench:
             "command": command,
             "machine": machine(),
             "commit": git_commit(),
+            # what the command resolved to: the benchmark's definition and the overrides for every run
+            "bench_config": OmegaConf.to_container(self.bench, resolve=True),
+            "extra_overrides": list(extra),
         }
         self.timeout_s = float(self.bench.timeout_min) * 60
 
