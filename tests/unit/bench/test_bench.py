@@ -175,3 +175,34 @@ def test_cpu_vs_hf_end_to_end(tmp_path):
         x["command"] and x["commit"] and x["machine"]["packages"] for x in raw
     )
     assert f"({docs[1].name})" in docs[0].read_text()
+
+
+def test_cpu_vs_hf_report_leaves_refused_pairs_out_of_the_medians(tmp_path):
+    """bench.md's headline: medians over comparable rounds only; a refused round is listed with
+    its reason, and every round stays in the per-round table."""
+
+    def line(rnd, side, label, **kw):
+        return {"bench": "b", "kind": "cpu_vs_hf", "invocation": "20261126-010203", "command": "c",
+                "time": "t", "round": rnd, "model": "4L", "pair": "packed", "side": side,
+                "label": label, "status": "ok", "steps": 12, "measured_steps": 2, "tokens": 1024,
+                "target_tokens": 139, "wall_s": 1.0, "cpu_s": 1.0, "tokens_per_s": 1024.0,
+                "eval_loss": 6.0, "train_loss": 7.0, "model_flops_per_s": 2e9, "efficiency": 0.1,
+                "gemm_flops_per_s": 2e10, "gemm": {"size": 2048, "threads": 2}, "warmup_steps": 10,
+                "loss_tolerance": 0.02, **kw}  # fmt: skip
+
+    lines = [
+        line(1, "hf", "hf-flattened"),
+        line(1, "ftcore", "ftcore-packed", ratio_vs_hf=1.6, ratio_vs_hf_cpu=1.5, comparable=True),
+        line(2, "hf", "hf-flattened"),
+        line(2, "ftcore", "ftcore-packed", ratio_vs_hf=3.0, comparable=False,
+             reason="eval loss 6.5000 vs HF 6.0000 (+8.3%, over bench.loss_tolerance 0.02)"),
+    ]  # fmt: skip
+    (tmp_path / "bench.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    md, png = report.write(tmp_path)
+    text = md.read_text()
+    assert "| 4L | ftcore-packed vs hf-flattened | 1/2 | **1.60** | 1.60–1.60 | 1.50 |" in text
+    assert "- 4L ftcore-packed vs hf-flattened, round 2: eval loss 6.5000 vs HF 6.0000" in text
+    assert "| 2 | 4L | ftcore | ftcore-packed | 12 (2) |" in text and "| no: eval loss" in text
+    assert "from the end of optimizer step 10" in text and "2048² fp32 on 2 threads: 20" in text
+    assert png.read_bytes().startswith(PNG)
+    assert report.published_stem(lines, "xeon2core") == "b_xeon2core_2026-11-26"
