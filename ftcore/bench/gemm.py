@@ -1,7 +1,8 @@
 """The host's fp32 GEMM rate: what a run's model FLOP/s is divided by (bench/cpu_vs_hf efficiency).
 
-Measured in a fresh process with the same number of torch threads as the runs, at the start of
-each round (this VM's speed drifts over minutes): the best of several large square fp32 matmuls,
+Measured in a fresh process with the same number of torch threads as the runs, just before and
+just after each model's runs of a round (this VM's speed drifts over minutes; the faster of the
+two counts): the best of several large square fp32 matmuls,
 after one to warm up. A large square GEMM is the fastest thing the host does in fp32 (compute
 bound, every core busy), so model FLOP/s over this rate is the share of the physical limit a run
 reaches; `bench.gemm_size` (default 2048) can be raised where a host needs larger ones. Run as

@@ -17,8 +17,8 @@ padding-free `DataCollatorWithFlattening`, `ftcore-padded` with `DataCollatorFor
 PEFT LoRA, SDPA, fused AdamW). × HF = HF wall / ftcore wall for the same tokens; × HF (CPU) the same
 with CPU seconds of the process (all threads). Model FLOP/s = model FLOPs per token (ftcore.planner.
 flops: 4N' for LoRA, 6N' + attention for full; the same number on both sides) × measured tokens /
-wall; % of GEMM divides it by the best fp32 square GEMM ({gemm}) on the same threads, measured at
-the start of each round. A pair whose steps, step documents or tokens differ, or whose validation
+wall; % of GEMM divides it by the best fp32 square GEMM ({gemm}) on the same threads, measured
+just before and just after each model's runs in each round (the faster of the two). A pair whose steps, step documents or tokens differ, or whose validation
 losses after the epoch differ by more than {tol:.0%}, is marked not comparable and left out of the
 medians.
 
@@ -43,15 +43,14 @@ def _pct(x) -> str:
 
 
 def _gemm_txt(lines: list[dict]) -> str:
-    rates = {
-        ln.get("round"): ln.get("gemm_flops_per_s") for ln in lines if ln.get("gemm_flops_per_s")
-    }
+    rates = {(ln.get("round"), ln.get("model")): ln.get("gemm_flops_per_s") for ln in lines
+             if ln.get("gemm_flops_per_s")}  # fmt: skip
     g = next((ln.get("gemm") for ln in lines if ln.get("gemm")), None) or {}
     if not rates:
         return "not measured"
     lo, hi = min(rates.values()) / 1e9, max(rates.values()) / 1e9
     span = f"{lo:.0f}" if round(lo) == round(hi) else f"{lo:.0f}–{hi:.0f}"
-    return f"{g.get('size')}² fp32 on {g.get('threads')} threads: {span} GFLOP/s over the rounds"
+    return f"{g.get('size')}² fp32 on {g.get('threads')} threads: {span} GFLOP/s"
 
 
 def headline_md(lines: list[dict]) -> list[str]:
@@ -112,7 +111,8 @@ def cpu_vs_hf_md(lines: list[dict]) -> list[str]:
     rounds = max((ln.get("round") or 1 for ln in lines), default=1)
     tol = next((ln.get("loss_tolerance") for ln in lines if ln.get("loss_tolerance")), 0.02)
     return [
-        f"{rounds} round(s); in each: the host's fp32 GEMM rate, then per model {order}; "
+        f"{rounds} round(s); in each, per model: the host's fp32 GEMM rate, {order}, the GEMM rate "
+        "again; "
         "epoch tokens per side are in bench.jsonl (`epoch_tokens`).",
         "",
         *headline_md(lines),
