@@ -32,6 +32,10 @@ def run_bench(cfg: DictConfig, extra: list[str], command: str) -> Path:
     )
     kinds[cfg.bench.kind](b)
     report.write(b.out)
+    if cfg.bench.publish:  # docs/bench/<name>_<hardware>_<date>.{md,png,jsonl}
+        docs = Path(__file__).resolve().parents[2] / "docs" / "bench"
+        for path in report.publish(b.out, docs, str(cfg.bench.publish)):
+            log.info("bench %s: published %s", cfg.bench.name, path)
     return b.out
 
 

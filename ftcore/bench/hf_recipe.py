@@ -1,24 +1,29 @@
-"""The Hugging Face side of bench/cpu_vs_hf: the recipe users would otherwise run.
+"""The Hugging Face side of bench/cpu_vs_hf: the recipe an HF expert would run, at its best.
 
 `transformers.Trainer` + PEFT LoRA (r, alpha and target modules from the ftcore config: all seven
-projections), `DataCollatorForSeq2Seq` padding each batch to its longest sample, prompt tokens
-labelled -100, AdamW with ftcore's settings, one epoch, one process. The documents are ftcore's own
-rendering of the same records (same token ids, same truncation), so both sides see exactly the same
-tokens; tokenization is outside the timed part on both sides. Run as
-`python -m ftcore.bench.hf_recipe` with FTCORE_BENCH_SPEC naming {"out", "model_dir", "overrides",
-"batch_size", "threads"}; it writes the result JSON.
+projections), SDPA attention, fused AdamW (`optim="adamw_torch_fused"`, the kernel ftcore's
+optimizer uses) with ftcore's settings, prompt tokens labelled -100, and one of two collators:
+`padded` (DataCollatorForSeq2Seq, each batch padded to its longest document) or `flattened`
+(DataCollatorWithFlattening: the batch in one row, documents kept apart by position_ids; the
+padding-free path). Each optimizer step trains on exactly the documents the paired ftcore run
+puts in its step (ftcore.bench.steps: ftcore's own loader says which), and the run is timed from
+the end of step bench.warmup_steps to the end of the last step (a TrainerCallback at on_step_end).
+The documents are ftcore's own rendering of the records (same token ids, same truncation);
+tokenization is outside the timed part on both sides. Run as `python -m ftcore.bench.hf_recipe`
+with FTCORE_BENCH_SPEC naming {"out", "model_dir", "overrides" (the paired ftcore run's),
+"collator", "optim", "warmup", "threads", "work_dir"}; it writes the result JSON.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
-import time
 from pathlib import Path
 
+from ftcore.bench.steps import StepClock, check_warmup, digest, epoch_steps, step_groups
 from ftcore.bench.turns import Turn
+from ftcore.errors import FtcoreError
 
 SPEC_ENV = "FTCORE_BENCH_SPEC"
 DEFAULT_SHAPE = {  # the tiny model's shape: a few million parameters on the bundled tokenizer
@@ -70,16 +75,21 @@ def _rows(docs, seq_len: int) -> list[dict]:
     return rows
 
 
-def load_rows(cfg, tokenizer) -> tuple[list[dict], list[dict]]:
-    """(train rows, validation rows) from ftcore's data pipeline: the documents ftcore trains on."""
+def load_rows(cfg, tokenizer, warmup: int = 0) -> tuple[list[dict], list[list[int]], list[dict]]:
+    """(every training document as a row, the document ids of each optimizer step of ftcore's
+    epoch, validation rows), all from ftcore's data pipeline for the paired ftcore run's config:
+    a fresh loader hands out exactly the global batches the ftcore run's loader will."""
     from ftcore.data.pipeline import build_train_loader, bundled_data
     from ftcore.data.tokenized import tokenize_source
 
     loader = build_train_loader(cfg, tokenizer, 0, 1)
+    steps = epoch_steps(loader.report["rows"], int(cfg.train.global_batch_size))
+    check_warmup(steps, warmup)
+    groups = step_groups(loader, steps)
     val_path = cfg.data.val_path or bundled_data("val")
     val = tokenize_source(val_path, tokenizer, cfg.data, None, "data.val_path")
     val_docs = [val.doc(i) for i in range(len(val))][: cfg.eval.get("max_samples") or None]
-    return _rows(loader.docs.docs, cfg.data.seq_len), _rows(val_docs, cfg.data.seq_len)
+    return _rows(loader.docs.docs, cfg.data.seq_len), groups, _rows(val_docs, cfg.data.seq_len)
 
 
 def eval_loss(model, rows: list[dict], collator, batch_size: int) -> tuple[float, int]:
@@ -117,13 +127,7 @@ def _scheduler(cfg) -> tuple[str, dict]:
 def train_hf(spec: dict) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        DataCollatorForSeq2Seq,
-        Trainer,
-        TrainingArguments,
-    )
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq
     from transformers.utils import logging as hf_logging
 
     from ftcore.config.schema import compose
@@ -132,9 +136,11 @@ def train_hf(spec: dict) -> dict:
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     cfg = compose(list(spec["overrides"]))
+    warmup = int(spec.get("warmup", 0))
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    train_rows, val_rows = load_rows(cfg, tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    train_rows, groups, val_rows = load_rows(cfg, tokenizer, warmup)
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32,
+                                                 attn_implementation="sdpa")  # fmt: skip
     p = cfg.peft
     lora = LoraConfig(
         r=int(p.r),
@@ -146,13 +152,84 @@ def train_hf(spec: dict) -> dict:
     )
     torch.manual_seed(int(cfg.run.seed))  # PEFT draws lora_A from the global RNG: same every run
     model = get_peft_model(model, lora)
-    collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    padded = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    collator = Counted(make_collator(spec.get("collator", "padded"), tokenizer))
+    turn = Turn.from_env()
+    clock = StepClock(turn)
+    trainer = _trainer(model, cfg, spec, train_rows, groups, collator)
+    trainer.add_callback(_step_callback(clock, turn))
+    out = trainer.train()
+    span = clock.span(warmup)
+    loss, n = eval_loss(model, val_rows, padded, int(spec.get("eval_batch_size", 16)))
+    steps = int(out.global_step)
+    counts = collator.counts[:steps]
+    return {
+        "side": "hf",
+        "collator": spec.get("collator", "padded"),
+        "optim": trainer.args.optim,
+        "steps": steps,
+        "warmup_steps": warmup,
+        **span,
+        "tokens": sum(c[0] for c in counts[warmup:]),
+        "target_tokens": sum(c[1] for c in counts[warmup:]),
+        "epoch_tokens": sum(c[0] for c in counts),
+        "epoch_target_tokens": sum(c[1] for c in counts),
+        "groups_digest": digest(groups),
+        "train_loss": float(out.training_loss),  # mean of the steps' losses
+        "eval_loss": loss,
+        "eval_tokens": n,
+        "peak_mem_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "threads": torch.get_num_threads(),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+    }
+
+
+def make_collator(kind: str, tokenizer):
+    """padded: each batch padded to its longest document (DataCollatorForSeq2Seq); flattened:
+    the batch's documents in one row, kept apart by position_ids (DataCollatorWithFlattening:
+    SDPA builds the block-diagonal causal mask from them)."""
+    from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
+
+    if kind == "padded":
+        return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    if kind == "flattened":
+        return DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+    raise FtcoreError(f"unknown HF collator {kind!r}", field="bench.runs[].hf",
+                      fix="padded or flattened")  # fmt: skip
+
+
+class Counted:
+    """A collator that counts what each batch it makes holds: (non-padding tokens, target tokens
+    the loss counts, i.e. labels after the first position that are not -100)."""
+
+    def __init__(self, collator):
+        self.collator, self.counts = collator, []
+
+    def __call__(self, features):
+        b = self.collator(features)
+        mask = b.get("attention_mask")
+        tokens = int(mask.sum()) if mask is not None else int(b["input_ids"].numel())
+        self.counts.append((tokens, int((b["labels"][:, 1:] != -100).sum())))
+        return b
+
+
+def _trainer(model, cfg, spec: dict, rows: list[dict], groups: list[list[int]], collator):
+    """transformers.Trainer with ftcore's optimizer settings, whose training batches are the
+    documents of ftcore's optimizer steps, one batch per step, in ftcore's order."""
+    from torch.utils.data import DataLoader
+    from transformers import Trainer, TrainingArguments
+
+    class StepGroupTrainer(Trainer):
+        def get_train_dataloader(self):
+            loader = DataLoader(self.train_dataset, batch_sampler=groups, collate_fn=collator,
+                                num_workers=0)  # fmt: skip
+            return self.accelerator.prepare(loader)
+
     o = cfg.optim
     sched, sched_kwargs = _scheduler(cfg)
-    bs = int(spec["batch_size"])
     args = TrainingArguments(
         output_dir=spec["work_dir"],
-        per_device_train_batch_size=bs,
+        per_device_train_batch_size=int(cfg.train.global_batch_size),  # unused: the groups are
         gradient_accumulation_steps=1,
         num_train_epochs=1,
         learning_rate=float(o.lr),
@@ -160,12 +237,12 @@ def train_hf(spec: dict) -> dict:
         adam_beta1=float(o.betas[0]),
         adam_beta2=float(o.betas[1]),
         adam_epsilon=float(o.eps),
-        optim="adamw_torch",
+        optim=spec.get("optim", "adamw_torch_fused"),
         max_grad_norm=float(cfg.train.grad_clip),
         lr_scheduler_type=sched,
         lr_scheduler_kwargs=sched_kwargs,
         warmup_steps=int(cfg.sched.warmup_steps),
-        logging_steps=max(1, math.ceil(len(train_rows) / bs)),  # once: logging is not the subject
+        logging_steps=len(groups),  # once: logging is not the subject
         save_strategy="no",
         eval_strategy="no",
         report_to=[],
@@ -174,47 +251,26 @@ def train_hf(spec: dict) -> dict:
         seed=int(cfg.run.seed),
         disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=train_rows, data_collator=collator)
-    turn = Turn.from_env()
-    if turn is not None:  # hand over to the round's other runs every few steps (bench.turns)
-        trainer.add_callback(_turn_callback(turn))
-    t0, c0 = time.perf_counter(), time.process_time()
-    out = trainer.train()
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    waited = turn.waited_s if turn is not None else 0.0
-    wall -= waited
-    loss, n = eval_loss(model, val_rows, collator, bs)
-    tokens = sum(len(r["input_ids"]) for r in train_rows)
-    targets = sum(sum(1 for x in r["labels"][1:] if x != -100) for r in train_rows)
-    return {
-        "side": "hf",
-        "steps": int(out.global_step),
-        "tokens": tokens,
-        "target_tokens": targets,
-        "wall_s": wall,
-        "cpu_s": cpu,
-        "train_loss": float(out.training_loss),
-        "eval_loss": loss,
-        "eval_tokens": n,
-        "peak_mem_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "threads": torch.get_num_threads(),
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        "batch_size": bs,
-        "waited_s": waited,
-    }
+    return StepGroupTrainer(model=model, args=args, train_dataset=rows, data_collator=collator)
 
 
-def _turn_callback(turn: Turn):
+def _step_callback(clock: StepClock, turn: Turn | None):
+    """Marks the start and the end of every optimizer step (bench.steps), then hands the turn
+    over every few steps (bench.turns)."""
     from transformers import TrainerCallback
 
-    class TakeTurns(TrainerCallback):
+    class StepEnds(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
-            turn.start(state.max_steps)
+            if turn is not None:
+                turn.start(state.max_steps)
+            clock.mark()
 
         def on_step_end(self, args, state, control, **kwargs):
-            turn.after_step()
+            clock.mark()
+            if turn is not None:
+                turn.after_step()
 
-    return TakeTurns()
+    return StepEnds()
 
 
 def main() -> int:

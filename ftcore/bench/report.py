@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 
 from ftcore.bench.overhead import overhead_md
+from ftcore.bench.report_vs_hf import cpu_vs_hf_md, plot_vs_hf
 
 FIT = {True: "held out", False: "fitted"}
 SPLIT = ("data", "fwd_bwd", "grad_sync", "pp_p2p", "optimizer", "other")
@@ -159,95 +160,6 @@ def _by_fit(lines: list[dict]) -> list[str]:
     return ["", *out] if out else []
 
 
-def summary(lines: list[dict]) -> list[dict]:
-    """Per run label, over the rounds: median tokens/s, and the median and range of its ratio to
-    the HF run of the same round."""
-    out = []
-    for label in dict.fromkeys(ln["label"] for ln in lines):
-        ok = [ln for ln in lines if ln["label"] == label and ln.get("status") == "ok"]
-        if not ok:
-            continue
-        ratios = [ln["ratio_vs_hf"] for ln in ok if ln.get("ratio_vs_hf")]
-        out.append({
-            "label": label, "side": ok[0].get("side"), "rounds": len(ok),
-            "tokens_per_s": statistics.median(ln["tokens_per_s"] for ln in ok),
-            "ratio": statistics.median(ratios) if ratios else None,
-            "ratio_range": (min(ratios), max(ratios)) if ratios else None,
-            "eval_loss_rel_diff": max((ln.get("eval_loss_rel_diff") or 0.0 for ln in ok), key=abs),
-        })  # fmt: skip
-    return out
-
-
-def _summary_md(lines: list[dict]) -> list[str]:
-    out = [
-        "| run | rounds | median tokens/s | median × HF (same round) | range × HF | largest eval-loss Δ |",
-        "|---|---:|---:|---:|---|---:|",
-    ]
-    for s in summary(lines):
-        lo_hi = s["ratio_range"]
-        out.append(
-            f"| {s['label']} | {s['rounds']} | {_f(s['tokens_per_s'])} "
-            f"| {_f(s['ratio'] if s['side'] != 'hf' else 1.0, '.2f')} "
-            f"| {f'{lo_hi[0]:.2f}–{lo_hi[1]:.2f}' if lo_hi else '–'} "
-            f"| {_f(100 * s['eval_loss_rel_diff'], '+.1f')}% |"
-        )
-    return [*out, ""]
-
-
-def cpu_vs_hf_md(lines: list[dict]) -> list[str]:
-    out = _summary_md(lines) if any(ln.get("round", 1) > 1 for ln in lines) else []
-    out += [
-        "| round | side | run | steps | non-padding tokens | wall s | tokens/s | × HF | tokens/CPU-s | × HF (CPU) "
-        "| eval loss | Δ vs HF | peak GiB | threads | epoch split s: data / fwd+bwd / optimizer / other |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for ln in lines:
-        rnd = ln.get("round", 1)
-        if ln.get("status") != "ok":
-            out.append(
-                f"| {rnd} | {ln.get('side')} | {ln['label']} "
-                f"| failed: {ln.get('error', '')[:120]} ||||||||"
-            )
-            continue
-        hf = ln.get("side") == "hf"
-        ratio = 1.0 if hf else ln.get("ratio_vs_hf")
-        ratio_cpu = 1.0 if hf else ln.get("ratio_vs_hf_cpu")
-        diff = ln.get("eval_loss_rel_diff")
-        out.append(
-            f"| {rnd} | {ln['side']} | {ln['label']} | {ln['steps']} | {ln['tokens']} | {_f(ln['wall_s'], '.1f')} "
-            f"| {_f(ln['tokens_per_s'])} | {_f(ratio, '.2f')} | {_f(ln.get('tokens_per_cpu_s'))} "
-            f"| {_f(ratio_cpu, '.2f')} | {_f(ln['eval_loss'], '.4f')} "
-            f"| {_f(diff and 100 * diff, '+.1f')}{'%' if diff is not None else ''} "
-            f"| {_f(ln.get('peak_mem_gib'), '.2f')} | {ln.get('threads')} | {_epoch_split(ln)} |"
-        )
-    turns = max((ln.get("turns") or 0 for ln in lines), default=0)
-    order = (
-        f"each round: the HF recipe and every ftcore run side by side, taking turns in {turns} slices "
-        "of their epochs, the time each waited left out" if turns
-        else "each round: the HF recipe, then every ftcore run"
-    )  # fmt: skip
-    out += [
-        "",
-        f"One epoch over the same documents each ({order}; "
-        "ratios are to the HF run of the same round); tokens/s = non-padding tokens / wall time of the "
-        "epoch (HF: trainer.train(); ftcore: the training steps); tokens/CPU-s divides by the CPU "
-        "seconds of the process instead (all threads; less sensitive to other load). Eval loss: per-token cross entropy "
-        "over every target token of the validation set after the epoch; a ratio counts only when the "
-        "eval losses are within 5%.",
-    ]
-    return out
-
-
-def _epoch_split(ln: dict) -> str:
-    sp = ln.get("time_split_s")
-    if not sp:
-        return ""
-    comm = sum(sp.get(k, 0.0) for k in ("tp_comm", "grad_sync", "pp_p2p"))  # tp_comm: older lines
-    return " / ".join(
-        _f(x, ".1f") for x in (sp["data"], sp["fwd_bwd"] + comm, sp["optimizer"], sp["other"])
-    )
-
-
 def plot(lines: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -267,19 +179,12 @@ def plot(lines: list[dict], path: Path) -> None:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return
-    # one bar (group) per run: cpu_vs_hf's medians over its rounds, a layouts run's own line
-    ok = summary(lines) if vs_hf else [ln for ln in lines if ln.get("status") == "ok"]
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(ok) + 2), 4.5))
-    labels, x = [r["label"] for r in ok], range(len(ok))
+    ok = [ln for ln in lines if ln.get("status") == "ok"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * (4 if vs_hf else len(ok)) + 2), 4.5))
     if vs_hf:
-        vals = [s["tokens_per_s"] for s in ok]
-        colors = ["tab:gray" if s["side"] == "hf" else "tab:blue" for s in ok]
-        ax.bar(x, vals, color=colors)
-        ax.set_ylabel("non-padding tokens/s (one process; median of rounds)")
-        for i, s in enumerate(ok):
-            if s["ratio"]:
-                ax.annotate(f"{s['ratio']:.2f}x", (i, vals[i]), ha="center", va="bottom")
+        plot_vs_hf(ax, lines)
     else:
+        labels, x = [r["label"] for r in ok], range(len(ok))
         w = 0.4
         meas = [ln["slot_tokens_per_s_per_gpu"] for ln in ok]
         pred = [(ln.get("predicted") or {}).get("tokens_per_s_per_gpu") or 0 for ln in ok]
@@ -287,8 +192,8 @@ def plot(lines: list[dict], path: Path) -> None:
         ax.bar([i + w / 2 for i in x], pred, w, label="planner", color="tab:orange")
         ax.set_ylabel("tokens/s/GPU (global batch × seq_len)")
         ax.legend()
-    ax.set_xticks(list(x))
-    ax.set_xticklabels(labels, rotation=30, ha="right")
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(labels, rotation=30, ha="right")
     ax.set_title(f"bench {lines[0]['bench']} ({lines[0]['invocation']})" if lines else "bench")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -296,7 +201,8 @@ def plot(lines: list[dict], path: Path) -> None:
 
 
 def write(out_dir: Path) -> tuple[Path, Path]:
-    """bench.md and bench.png of the latest invocation in out_dir/bench.jsonl."""
+    """bench.md and bench.png of the latest invocation in out_dir/bench.jsonl (and bench.latest.jsonl:
+    that invocation's lines alone, what a published report keeps beside it)."""
     lines = latest(read_lines(out_dir / "bench.jsonl"))
     md, png = out_dir / "bench.md", out_dir / "bench.png"
     if not lines:
@@ -310,4 +216,30 @@ def write(out_dir: Path) -> tuple[Path, Path]:
         body = cpu_vs_hf_md(lines) if kind == "cpu_vs_hf" else layouts_md(lines)
     md.write_text("\n".join(_header(lines) + body) + "\n")
     plot(lines, png)
+    (out_dir / "bench.latest.jsonl").write_text("".join(json.dumps(ln) + "\n" for ln in lines))
     return md, png
+
+
+def published_stem(lines: list[dict], hardware: str) -> str:
+    """`<bench>_<hardware>_<date>`: how reports are named in docs/bench/ (the invocation's day)."""
+    inv = str(lines[0].get("invocation", ""))
+    date = f"{inv[:4]}-{inv[4:6]}-{inv[6:8]}" if len(inv) >= 8 else "undated"
+    return f"{lines[0]['bench']}_{hardware}_{date}"
+
+
+def publish(out_dir: Path, docs_dir: Path, hardware: str) -> list[Path]:
+    """Copy the latest invocation's bench.md, bench.png and its raw JSONL lines (each carries the
+    command, commit, machine and package versions) to docs_dir/<bench>_<hardware>_<date>.*;
+    the report's image link is rewritten to the copy's name."""
+    lines = latest(read_lines(out_dir / "bench.jsonl"))
+    if not lines:
+        return []
+    stem = published_stem(lines, hardware)
+    docs_dir.mkdir(parents=True, exist_ok=True)
+    md = (out_dir / "bench.md").read_text()
+    md += f"\n![{lines[0]['bench']}]({stem}.png)\n\nRaw lines: [{stem}.jsonl]({stem}.jsonl).\n"
+    out = [docs_dir / f"{stem}.{ext}" for ext in ("md", "png", "jsonl")]
+    out[0].write_text(md)
+    out[1].write_bytes((out_dir / "bench.png").read_bytes())
+    out[2].write_text("".join(json.dumps(ln) + "\n" for ln in lines))
+    return out

@@ -110,7 +110,8 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    info = {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count()}
+    info = {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(),
+            "python": platform.python_version(), "platform": platform.platform()}  # fmt: skip
     info["packages"] = package_versions()
     try:
         import torch
@@ -152,10 +153,15 @@ def load_avg() -> list[float]:
 
 
 def git_commit() -> str | None:
+    """The short commit, with "+dirty" when tracked files differ from it."""
     try:
+        here = Path(__file__).parent
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10, cwd=Path(__file__).parent)  # fmt: skip
-        return out.stdout.strip() or None
+                             text=True, timeout=10, cwd=here)  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, cwd=here)  # fmt: skip
+        commit = out.stdout.strip()
+        return (commit + ("+dirty" if dirty.stdout.strip() else "")) or None
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -251,6 +257,9 @@ class Bench:
             "command": command,
             "machine": machine(),
             "commit": git_commit(),
+            # what the command resolved to: the benchmark's definition and the overrides for every run
+            "bench_config": OmegaConf.to_container(self.bench, resolve=True),
+            "extra_overrides": list(extra),
         }
         self.timeout_s = float(self.bench.timeout_min) * 60
 

@@ -30,6 +30,7 @@ class Turn:
     def __init__(self, read_fd: int, write_fd: int, slices: int):
         self.read_fd, self.write_fd, self.slices = read_fd, write_fd, slices
         self.per_slice, self.steps, self.waited_s = 1, 0, 0.0
+        self.waited_cpu_s = 0.0  # CPU seconds the process spent while waiting (other threads)
 
     @classmethod
     def from_env(cls) -> Turn | None:
@@ -48,11 +49,12 @@ class Turn:
         self.steps += 1
         if self.steps % self.per_slice:
             return
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         os.write(self.write_fd, b"y")
         if os.read(self.read_fd, 1) != b"g":
             raise RuntimeError("the benchmark runner went away")
         self.waited_s += time.perf_counter() - t0
+        self.waited_cpu_s += time.process_time() - c0
 
 
 def spawn(cmd: list[str], env: dict, log_file, slices: int) -> tuple[subprocess.Popen, int, int]:

@@ -8,14 +8,14 @@ schedule, the grad sync, the pipeline sends/receives (megatron's own timers) and
 split each step's wall time. Tensor-parallel collectives have no timing hook in megatron: their
 time is part of fwd_bwd. What to run comes from the JSON file named by FTCORE_BENCH_SPEC:
   {"out": result file, "warmup": N, "measure": N}             fixed number of steps, or
-  {"out": ..., "epoch": true, "eval": true}                   one epoch, then the validation loss.
+  {"out": ..., "epoch": true, "eval": true, "warmup": W}      one epoch timed after step W, then
+                                                              the validation loss.
 Rank 0 writes the result JSON; nothing is checkpointed or exported.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import sys
@@ -25,6 +25,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ftcore.bench.steps import StepClock, check_warmup, digest, epoch_steps, record_groups
 from ftcore.bench.turns import Turn
 from ftcore.cli import run
 from ftcore.training import timing
@@ -90,7 +91,7 @@ def measure(state, spec: dict) -> dict:
     state.timers = timers = Timers()
     loader = state.loader
     if spec.get("epoch"):
-        records, wall = _epoch(state, timers)
+        records, wall = _epoch(state, timers, int(spec.get("warmup", 0)))
     else:
         records, wall = _steps(state, timers, int(spec["warmup"]), int(spec["measure"]))
     result = {"steps": records, "wall_s": wall}
@@ -101,6 +102,7 @@ def measure(state, spec: dict) -> dict:
     result["cpu_s"] = state.extra.get("bench_cpu_s")
     result["waited_s"] = state.extra.get("bench_waited_s")  # outside the steps' times already
     result["peak_mem_gib"] = max(_gather(metrics.peak_mem_gib()))
+    result["span"] = state.extra.get("bench_span")  # epoch: the timed span (bench.steps)
     if spec.get("eval"):
         # every validation batch, not only eval.iters of them
         res = evaluation.evaluate(state, evaluation.held_out_batches(state))
@@ -140,38 +142,44 @@ def _steps(state, timers: Timers, warmup: int, measure: int) -> tuple[list[dict]
     return records, time.perf_counter() - t_start
 
 
-def _epoch(state, timers: Timers) -> tuple[list[dict], float]:
-    """One epoch through trainer.fit, as users run it (metrics.jsonl, log lines); the steps'
-    times are metrics.jsonl's step_time_s, the split is the epoch's total, put on the last step."""
+def _epoch(state, timers: Timers, warmup: int) -> tuple[list[dict], float]:
+    """One epoch through trainer.fit, as users run it (metrics.jsonl, log lines), timed from the
+    end of optimizer step `warmup` to the end of the last one through state.after_step hooks
+    (ftcore.bench.steps), less the turns waited for; the split is the epoch's total, put on the
+    last step. The documents of every step are recorded (their digest is compared with HF's)."""
     from ftcore.training import trainer
 
     cfg = state.cfg
-    steps = math.ceil(state.loader.report["rows"] / cfg.train.global_batch_size)
+    steps = epoch_steps(state.loader.report["rows"], cfg.train.global_batch_size)
+    check_warmup(steps, warmup)
     cfg.train.max_steps = steps
+    groups = record_groups(state.loader)
     turn = Turn.from_env()
+    clock = StepClock(turn)
+    # the clock first, before a hand-over; the end-of-run export comes after the last step
+    state.after_step.insert(0, clock.mark)
     if turn is not None:  # hand over to the round's other runs every few steps (bench.turns)
         turn.start(steps)
         state.after_step.append(lambda _: turn.after_step())
-    cpu = [time.process_time()] * 2  # at the start, at the end of the latest step
-
-    def mark(_):
-        cpu[1] = time.process_time()
-
-    state.after_step.insert(0, mark)  # before a hand-over; the end-of-run export comes after
+    clock.mark()
     trainer.fit(state)
-    state.extra["bench_cpu_s"] = cpu[1] - cpu[0]
+    span = clock.span(warmup)
     records = []
     if state.info.rank == 0:
         for line in (state.run_dir / "metrics.jsonl").read_text().splitlines():
             r = json.loads(line)
             if "loss" in r:
-                records.append({"step": r["step"], "warmup": False, "loss": r["loss"],
-                                "tokens": r["tokens"], "target_tokens": r["target_tokens"],
+                records.append({"step": r["step"], "warmup": r["step"] <= warmup,
+                                "loss": r["loss"], "tokens": r["tokens"],
+                                "target_tokens": r["target_tokens"],
                                 "step_time_s": r["step_time_s"], "parts": {}})  # fmt: skip
         if records:
             records[-1]["parts"] = timers.take()
-    state.extra["bench_waited_s"] = turn.waited_s if turn is not None else 0.0
-    return records, sum(r["step_time_s"] for r in records)
+    state.extra["bench_cpu_s"] = span["cpu_s"]
+    state.extra["bench_waited_s"] = span["waited_s"]
+    state.extra["bench_span"] = {**span, "warmup_steps": warmup,
+                                 "groups_digest": digest(groups[:steps])}  # fmt: skip
+    return records, span["wall_s"]
 
 
 def _flops_per_token(cfg) -> float:

@@ -134,6 +134,8 @@ RANGES: dict[str, Range] = {
     "bench.timeout_min": POSITIVE,
     "bench.repeats": AT_LEAST_1,
     "bench.turns": AT_LEAST_0,
+    "bench.loss_tolerance": Range(0, 1, lo_open=True, hi_open=True),
+    "bench.gemm_size": AT_LEAST_1,
 }
 
 

@@ -337,6 +337,10 @@ class BenchConfig:
     repeats: int = 1  # cpu_vs_hf: rounds of (HF, then each ftcore run); ratios within a round
     overhead: dict[str, Any] = field(default_factory=dict)  # host_overhead: depths, rows, seq_len, shape
     turns: int = 0  # cpu_vs_hf: > 0 runs a round's processes side by side, taking turns in this many slices of each epoch
+    models: list[Any] = field(default_factory=list)  # cpu_vs_hf: {label, shape} each, over hf.shape
+    loss_tolerance: float = 0.02  # cpu_vs_hf: a pair whose eval losses differ more is refused
+    gemm_size: int = 2048  # cpu_vs_hf: the square fp32 matmul whose rate efficiency is against
+    publish: Optional[str] = None  # hardware name: also write docs/bench/<name>_<hw>_<date>.*
 
 
 @dataclass

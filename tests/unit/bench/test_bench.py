@@ -165,42 +165,73 @@ def test_tiny_layout_bench_end_to_end(tmp_path):
 
 
 def test_cpu_vs_hf_end_to_end(tmp_path):
+    """Both pairs of the smoke benchmark on one of its depths (the pairing over depths is
+    test_pairs'): every side ran, each pair trained on the same documents in the same steps and is
+    comparable, each side has its efficiency against the GEMM rate measured in the round, and the
+    report and its published copy (md, png, raw JSONL) are written."""
     out = tmp_path / "bench"
-    lines = _run_bench("cpu_vs_hf_smoke", out)
-    assert [x["label"] for x in lines] == ["hf_trainer", "packed", "padded"]
+    lines = _run_bench(
+        "cpu_vs_hf_smoke", out, "bench.models=[{label:1L,shape:{num_hidden_layers:1}}]"
+    )
+    assert [x["label"] for x in lines] == [
+        "hf-flattened",
+        "ftcore-packed",
+        "hf-padded",
+        "ftcore-padded",
+    ]
     assert all(x["status"] == "ok" for x in lines), [x.get("error") for x in lines]
-    hf, packed, padded = lines
-    # the same documents on both sides: one epoch each
-    assert hf["tokens"] == padded["tokens"] and hf["target_tokens"] == padded["target_tokens"]
-    assert packed["tokens"] >= hf["tokens"]
-    for x in (packed, padded):
-        assert x["ratio_vs_hf"] > 0 and math.isfinite(x["eval_loss"])
-        assert x["eval_tokens"] == hf["eval_tokens"]
-    assert "| ftcore | packed |" in (out / "bench.md").read_text()
-    # the three took turns: each waited for the others, outside its timed epoch
-    assert all(x["turns"] == 2 and x["waited_s"] > 0 for x in lines)
+    assert lines[0]["optim"] == "adamw_torch_fused" and lines[0]["attn_implementation"] == "sdpa"
+    for hf, ft in (lines[:2], lines[2:]):
+        for k in ("steps", "measured_steps", "groups_digest", "tokens", "target_tokens",
+                  "epoch_tokens", "epoch_target_tokens", "flops_per_token", "gemm_flops_per_s"):  # fmt: skip
+            assert hf[k] == ft[k], k
+        assert ft["comparable"] is True and ft["reason"] is None, ft["reason"]
+        assert hf["measured_steps"] == hf["steps"] - 2 and 0 < hf["tokens"] < hf["epoch_tokens"]
+        assert ft["eval_tokens"] == hf["eval_tokens"] and ft["ratio_vs_hf"] > 0
+        for x in (hf, ft):
+            assert 0 < x["efficiency"] and x["model_flops_per_s"] > 0 and x["wall_s"] > 0
+            assert x["turns"] == 2 and x["waited_s"] > 0  # took turns, the waits left out
+            assert math.isfinite(x["train_loss"]) and math.isfinite(x["eval_loss"])
+    # the packed pair: several documents per step on both sides, HF in one flattened row
+    assert lines[1]["layout"]["packing"] and lines[0]["steps"] > lines[2]["steps"]
+    md = (out / "bench.md").read_text()
+    assert "| 1L | ftcore-packed vs hf-flattened | 1/1 |" in md
+    assert "| 1L | ftcore-padded vs hf-padded | 1/1 |" in md and "What this says about GPUs" in md
+    docs = report.publish(out, tmp_path / "docs", "testhw")
+    assert [p.suffix for p in docs] == [".md", ".png", ".jsonl"]
+    raw = [json.loads(x) for x in docs[2].read_text().splitlines()]
+    assert raw == lines and all(
+        x["command"] and x["commit"] and x["machine"]["packages"] for x in raw
+    )
+    assert f"({docs[1].name})" in docs[0].read_text()
 
 
-def test_cpu_vs_hf_report_takes_medians_over_rounds(tmp_path):
-    """With bench.repeats each ftcore run is compared with the HF run of its own round; bench.md
-    leads with the median ratio and its range."""
+def test_cpu_vs_hf_report_leaves_refused_pairs_out_of_the_medians(tmp_path):
+    """bench.md's headline: medians over comparable rounds only; a refused round is listed with
+    its reason, and every round stays in the per-round table."""
 
-    def line(rnd, side, label, tps, ratio=None):
-        return {"bench": "b", "kind": "cpu_vs_hf", "invocation": "i", "command": "c", "time": "t",
-                "round": rnd, "side": side, "label": label, "status": "ok", "steps": 1,
-                "tokens": 10, "wall_s": 1.0, "tokens_per_s": tps, "ratio_vs_hf": ratio,
-                "eval_loss": 5.0, "eval_loss_rel_diff": None if side == "hf" else 0.01}  # fmt: skip
+    def line(rnd, side, label, **kw):
+        return {"bench": "b", "kind": "cpu_vs_hf", "invocation": "20261126-010203", "command": "c",
+                "time": "t", "round": rnd, "model": "4L", "pair": "packed", "side": side,
+                "label": label, "status": "ok", "steps": 12, "measured_steps": 2, "tokens": 1024,
+                "target_tokens": 139, "wall_s": 1.0, "cpu_s": 1.0, "tokens_per_s": 1024.0,
+                "eval_loss": 6.0, "train_loss": 7.0, "model_flops_per_s": 2e9, "efficiency": 0.1,
+                "gemm_flops_per_s": 2e10, "gemm": {"size": 2048, "threads": 2}, "warmup_steps": 10,
+                "loss_tolerance": 0.02, **kw}  # fmt: skip
 
     lines = [
-        line(1, "hf", "hf_trainer", 100.0), line(1, "ftcore", "packed", 150.0, 1.5),
-        line(2, "hf", "hf_trainer", 80.0), line(2, "ftcore", "packed", 100.0, 1.25),
-        line(3, "hf", "hf_trainer", 90.0), line(3, "ftcore", "packed", 117.0, 1.3),
+        line(1, "hf", "hf-flattened"),
+        line(1, "ftcore", "ftcore-packed", ratio_vs_hf=1.6, ratio_vs_hf_cpu=1.5, comparable=True),
+        line(2, "hf", "hf-flattened"),
+        line(2, "ftcore", "ftcore-packed", ratio_vs_hf=3.0, comparable=False,
+             reason="eval loss 6.5000 vs HF 6.0000 (+8.3%, over bench.loss_tolerance 0.02)"),
     ]  # fmt: skip
-    (s_hf, s_packed) = report.summary(lines)
-    assert s_hf["tokens_per_s"] == 90.0 and s_packed["rounds"] == 3
-    assert s_packed["ratio"] == 1.3 and s_packed["ratio_range"] == (1.25, 1.5)
-    (tmp_path / "bench.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    (tmp_path / "bench.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     md, png = report.write(tmp_path)
     text = md.read_text()
-    assert "| packed | 3 | 117 | 1.30 | 1.25–1.50 | +1.0% |" in text
-    assert "| 2 | ftcore | packed |" in text and png.stat().st_size > 0
+    assert "| 4L | ftcore-packed vs hf-flattened | 1/2 | **1.60** | 1.60–1.60 | 1.50 |" in text
+    assert "- 4L ftcore-packed vs hf-flattened, round 2: eval loss 6.5000 vs HF 6.0000" in text
+    assert "| 2 | 4L | ftcore | ftcore-packed | 12 (2) |" in text and "| no: eval loss" in text
+    assert "from the end of optimizer step 10" in text and "2048² fp32 on 2 threads: 20" in text
+    assert png.read_bytes().startswith(PNG)
+    assert report.published_stem(lines, "xeon2core") == "b_xeon2core_2026-11-26"
