@@ -335,7 +335,7 @@ class BenchConfig:
     output_dir: Optional[str] = None  # default outputs/bench/<name>
     hf: dict[str, Any] = field(default_factory=dict)  # cpu_vs_hf: the HF model shape and batch size
     repeats: int = 1  # cpu_vs_hf: rounds of (HF, then each ftcore run); ratios within a round
-    overhead: dict[str, Any] = field(default_factory=dict)  # host_overhead: depths, rows, seq_len, shape
+    overhead: dict[str, Any] = field(default_factory=dict)  # host_overhead: depths, rows, shape
     turns: int = 0  # cpu_vs_hf: > 0 runs a round's processes side by side, taking turns in this many slices of each epoch
     models: list[Any] = field(default_factory=list)  # cpu_vs_hf: {label, shape} each, over hf.shape
     loss_tolerance: float = 0.02  # cpu_vs_hf: a pair whose eval losses differ more is refused
