@@ -32,6 +32,8 @@ def run_steps(spec: dict) -> dict:
                                              target_modules=list(lora["targets"]),
                                              task_type="CAUSAL_LM"))  # fmt: skip
     params = [p for p in model.parameters() if p.requires_grad]
+    frozen = next(p for n, p in model.named_parameters() if "base_layer" in n)
+    before = (frozen.detach().clone(), [p.detach().clone() for p in params])
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
     rows, seq = int(spec["rows"]), int(spec["seq_len"])
     ids = torch.randint(0, model.config.vocab_size, (rows, seq))
@@ -49,7 +51,10 @@ def run_steps(spec: dict) -> dict:
         step()
         steps.append({"warmup": i < int(spec["warmup"]), "step_time_s": time.perf_counter() - t0,
                       "cpu_s": time.process_time() - c0})  # fmt: skip
-    return {"side": "hf", "steps": steps, "threads": torch.get_num_threads()}
+    moved = any(not torch.equal(a, p) for a, p in zip(before[1], params))
+    return {"side": "hf", "steps": steps, "threads": torch.get_num_threads(),
+            "trainable": sum(p.numel() for p in params), "adapters_moved": moved,
+            "base_moved": not torch.equal(before[0], frozen)}  # fmt: skip
 
 
 def main() -> int:
