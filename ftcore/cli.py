@@ -150,7 +150,11 @@ def exit_process(status: int) -> NoReturn:
     torch, megatron-core and transformers, which a finished run does not need). What that exit does
     for the run still happens, in its order: non-daemon threads are joined (after
     concurrent.futures' exit hooks), the atexit handlers run (logging.shutdown, multiprocessing's
-    children, tempfile's finalizers, wandb), then Python's and C's output buffers are flushed."""
+    children, tempfile's finalizers, wandb), then Python's and C's output buffers are flushed.
+    Under a profiler or tracer (cProfile, coverage, a debugger), which reports after the program
+    returns, the process exits the usual way."""
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        sys.exit(status)
     threading._shutdown()  # what Py_Finalize calls first
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

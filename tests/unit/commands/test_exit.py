@@ -63,3 +63,15 @@ def test_exit_keeps_the_status_and_what_a_normal_exit_does(status, overrides, sk
     if status == 2:
         assert "ftcore error: probe.field: bad value" in proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_a_profiled_run_exits_the_usual_way_and_writes_its_profile(tmp_path):
+    """cProfile (as coverage or a debugger) reports after the program returns: no early exit."""
+    script, prof = tmp_path / "probe.py", tmp_path / "run.prof"
+    script.write_text(PROBE)
+    proc = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(prof), str(script),
+                           str(tmp_path), "3"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # (cProfile drops the status)
+    assert prof.stat().st_size > 0
+    assert (tmp_path / "atexit.txt").read_text() == "ran"
