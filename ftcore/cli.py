@@ -10,14 +10,17 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Callable
+from typing import NoReturn
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ftcore.errors import EXIT_OK, EXIT_REQUEUE, EXIT_USER_ERROR, FtcoreError, StopRequested
 
@@ -118,6 +121,51 @@ def report_user_error(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def run(name: str, task: Callable[[DictConfig], int | None]) -> None:
+def run(name: str, task: Callable[[DictConfig], int | None]) -> NoReturn:
     """`python -m` entry: exit with main()'s status."""
-    sys.exit(main(name, task))
+
+    def process_task(cfg: DictConfig) -> int | None:
+        skip_unused_imports(cfg)
+        return task(cfg)
+
+    exit_process(main(name, process_task))
+
+
+def skip_unused_imports(cfg: DictConfig) -> None:
+    """megatron-core imports wandb and peft imports bitsandbytes whenever they are installed; ftcore
+    uses them only with logger.wandb.mode != disabled and peft=qlora. A process that needs neither
+    leaves them out (an ImportError to those libraries, which then go without): seconds of import
+    per process, and wandb's two temporary directories, which a killed process leaves in /tmp."""
+    unused = []
+    if OmegaConf.select(cfg, "logger.wandb.mode", default="disabled") == "disabled":
+        unused.append("wandb")
+    if OmegaConf.select(cfg, "peft.name", default="none") != "qlora":
+        unused.append("bitsandbytes")
+    for module in unused:
+        sys.modules.setdefault(module, None)
+
+
+def exit_process(status: int) -> NoReturn:
+    """Exit with `status` as the interpreter does, less its teardown of every module (seconds for
+    torch, megatron-core and transformers, which a finished run does not need). What that exit does
+    for the run still happens, in its order: non-daemon threads are joined (after
+    concurrent.futures' exit hooks), the atexit handlers run (logging.shutdown, multiprocessing's
+    children, tempfile's finalizers, wandb), then Python's and C's output buffers are flushed.
+    Under a profiler or tracer (cProfile, coverage, a debugger), which reports after the program
+    returns, the process exits the usual way."""
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        sys.exit(status)
+    threading._shutdown()  # what Py_Finalize calls first
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+            pass
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)  # the C libraries' stdio buffers (exit() flushes them)
+    except (OSError, AttributeError):
+        pass
+    os._exit(status)

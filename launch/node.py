@@ -28,6 +28,8 @@ import time
 
 from ftcore.launch import slurm_env
 
+from ftcore.cli import exit_process, skip_unused_imports
+
 EXIT_OK, EXIT_USER_ERROR, EXIT_REQUEUE = 0, 2, 3
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -227,6 +229,9 @@ def finish(status: int, nnodes: int, linger: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ftcore.runtime import megatron_jit
+
+    megatron_jit.install()  # the dry run's checks import megatron-core (as ftcore/cli.py does)
     args, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.dry_run:
         args.linger = 0.0
@@ -242,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             cfg = _compose(overrides)
+            skip_unused_imports(cfg)
         except FtcoreError as e:
             print(f"ftcore error: {e}", file=sys.stderr, flush=True)
             nnodes = slurm_env.from_env(env, 1, use_scontrol=False).nnodes
@@ -287,4 +293,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -40,6 +40,7 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
+    sys.modules.setdefault("wandb", None)  # no case logs to wandb (ftcore.cli.skip_unused_imports)
     from ftcore.runtime import megatron_jit
 
     megatron_jit.install()  # as ftcore's entry points do (ftcore/cli.py)
@@ -74,6 +75,9 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
         gc.collect()  # the case's model and optimizer hold the groups in reference cycles
         conn.send((*result, _threads()))
     dist.destroy_process_group()
+    from ftcore.cli import exit_process
+
+    exit_process(0)  # as ftcore's entry points end: without seconds of module teardown
 
 
 class Pool:
