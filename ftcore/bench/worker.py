@@ -10,7 +10,8 @@ time is part of fwd_bwd. What to run comes from the JSON file named by FTCORE_BE
   {"out": result file, "warmup": N, "measure": N}             fixed number of steps, or
   {"out": ..., "epoch": true, "eval": true, "warmup": W}      one epoch timed after step W, then
                                                               the validation loss.
-Rank 0 writes the result JSON; nothing is checkpointed or exported.
+Rank 0 writes the result JSON; nothing is checkpointed. The epoch run ends as a user's run does
+(trainer.fit writes the HF adapter or model), after its timed span.
 """
 
 from __future__ import annotations
