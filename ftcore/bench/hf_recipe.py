@@ -16,16 +16,14 @@ with FTCORE_BENCH_SPEC naming {"out", "model_dir", "overrides" (the paired ftcor
 
 from __future__ import annotations
 
-import json
-import os
 import resource
 from pathlib import Path
 
+from ftcore.bench.runner import read_spec, write_result
 from ftcore.bench.steps import StepClock, check_warmup, digest, epoch_steps, step_groups
 from ftcore.bench.turns import Turn
 from ftcore.errors import FtcoreError
 
-SPEC_ENV = "FTCORE_BENCH_SPEC"
 DEFAULT_SHAPE = {  # the tiny model's shape: a few million parameters on the bundled tokenizer
     "hidden_size": 256,
     "intermediate_size": 704,
@@ -277,11 +275,8 @@ def main() -> int:
     from ftcore.cli import setup_logging
 
     setup_logging()
-    spec = json.loads(Path(os.environ[SPEC_ENV]).read_text())
-    result = train_hf(spec)
-    tmp = Path(spec["out"]).with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, spec["out"])
+    spec = read_spec()
+    write_result(spec, train_hf(spec))
     return 0
 
 

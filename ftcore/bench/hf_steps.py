@@ -9,12 +9,9 @@ Run as `python -m ftcore.bench.hf_steps` with FTCORE_BENCH_SPEC naming {"out", "
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from pathlib import Path
 
-SPEC_ENV = "FTCORE_BENCH_SPEC"
+from ftcore.bench.runner import read_spec, write_result
 
 
 def run_steps(spec: dict) -> dict:
@@ -58,11 +55,8 @@ def run_steps(spec: dict) -> dict:
 
 
 def main() -> int:
-    spec = json.loads(Path(os.environ[SPEC_ENV]).read_text())
-    result = run_steps(spec)
-    tmp = Path(spec["out"]).with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, spec["out"])
+    spec = read_spec()
+    write_result(spec, run_steps(spec))
     return 0
 
 

@@ -30,6 +30,7 @@ LAUNCH_VARS = (
     "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "GROUP_RANK",
     "TORCHELASTIC_RUN_ID",
 )  # fmt: skip
+SPEC_ENV = "FTCORE_BENCH_SPEC"  # the JSON file a worker reads its job from
 # What every configuration gets: no checkpoints, no eval, no export, plain log lines.
 FIXED = [
     "checkpoint.resume=never",
@@ -169,8 +170,20 @@ def git_commit() -> str | None:
 def _child_env(extra: dict, spec_path: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(extra)
-    env["FTCORE_BENCH_SPEC"] = str(spec_path)
+    env[SPEC_ENV] = str(spec_path)
     return env
+
+
+def read_spec() -> dict:
+    """A worker's side: the spec its runner wrote (`_prepare`), named by FTCORE_BENCH_SPEC."""
+    return json.loads(Path(os.environ[SPEC_ENV]).read_text())
+
+
+def write_result(spec: dict, result: dict) -> None:
+    """A worker's side: its result JSON at spec["out"], whole or not at all (`_collect` reads it)."""
+    tmp = Path(spec["out"]).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, spec["out"])
 
 
 def _prepare(module: str, overrides: list[str], spec: dict, run_dir: Path,

@@ -17,21 +17,19 @@ Rank 0 writes the result JSON; nothing is checkpointed. The epoch run ends as a 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ftcore.bench.runner import read_spec, write_result
 from ftcore.bench.steps import StepClock, check_warmup, digest, epoch_steps, record_groups
 from ftcore.bench.turns import Turn
 from ftcore.cli import run
 from ftcore.training import timing
 
-SPEC_ENV = "FTCORE_BENCH_SPEC"
 PARTS = ("data", "fwd_bwd", "grad_sync", "pp_p2p", "optimizer")
 
 
@@ -194,7 +192,7 @@ def task(cfg: DictConfig) -> int | None:
     from ftcore.runtime import dist
     from ftcore.training import trainer
 
-    spec = json.loads(Path(os.environ[SPEC_ENV]).read_text())
+    spec = read_spec()
     if not dist.under_launcher() and cfg.launcher.nproc_per_node > 1:
         checks.validate(cfg, cfg.launcher.nproc_per_node)
         return dist.launch_local_workers(
@@ -204,9 +202,7 @@ def task(cfg: DictConfig) -> int | None:
         state = trainer.setup(cfg)
         result = measure(state, spec)
         if state.info.rank == 0:
-            tmp = Path(spec["out"]).with_suffix(".tmp")
-            tmp.write_text(json.dumps(result))
-            os.replace(tmp, spec["out"])
+            write_result(spec, result)
     finally:
         dist.teardown()
     return None
