@@ -124,8 +124,7 @@ def _scheduler(cfg) -> tuple[str, dict]:
 
 def train_hf(spec: dict) -> dict:
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from ftcore.config.schema import compose
@@ -137,20 +136,10 @@ def train_hf(spec: dict) -> dict:
     warmup = int(spec.get("warmup", 0))
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     train_rows, groups, val_rows = load_rows(cfg, tokenizer, warmup)
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32,
-                                                 attn_implementation="sdpa")  # fmt: skip
     p = cfg.peft
-    lora = LoraConfig(
-        r=int(p.r),
-        lora_alpha=float(p.lora_alpha),
-        lora_dropout=float(p.lora_dropout),
-        target_modules=[str(t) for t in p.target_modules],
-        use_rslora=bool(p.use_rslora),
-        task_type="CAUSAL_LM",
-    )
-    torch.manual_seed(int(cfg.run.seed))  # PEFT draws lora_A from the global RNG: same every run
-    model = get_peft_model(model, lora)
-    padded = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    model = lora_model(spec["model_dir"], r=p.r, alpha=p.lora_alpha, targets=p.target_modules,
+                       dropout=p.lora_dropout, rslora=p.use_rslora, seed=int(cfg.run.seed))  # fmt: skip
+    padded = make_collator("padded", tokenizer)
     collator = Counted(make_collator(spec.get("collator", "padded"), tokenizer))
     turn = Turn.from_env()
     clock = StepClock(turn)
@@ -180,6 +169,23 @@ def train_hf(spec: dict) -> dict:
         "threads": torch.get_num_threads(),
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
     }
+
+
+def lora_model(model_dir, *, r, alpha, targets, dropout=0.0, rslora=False, seed=None):
+    """The HF Llama in model_dir (fp32, SDPA attention) with PEFT LoRA on `targets`. `seed`
+    reseeds torch's RNG first: PEFT draws lora_A from it, so every run starts the same."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="sdpa")  # fmt: skip
+    lora = LoraConfig(r=int(r), lora_alpha=float(alpha), lora_dropout=float(dropout),
+                      target_modules=[str(t) for t in targets], use_rslora=bool(rslora),
+                      task_type="CAUSAL_LM")  # fmt: skip
+    if seed is not None:
+        torch.manual_seed(seed)
+    return get_peft_model(model, lora)
 
 
 def make_collator(kind: str, tokenizer):

@@ -11,23 +11,17 @@ from __future__ import annotations
 
 import time
 
+from ftcore.bench.hf_recipe import lora_model
 from ftcore.bench.runner import read_spec, write_result
 
 
 def run_steps(spec: dict) -> dict:
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(int(spec.get("threads") or 1))
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(
-        spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa"
-    )
     lora = spec["lora"]
-    model = get_peft_model(model, LoraConfig(r=int(lora["r"]), lora_alpha=float(lora["alpha"]),
-                                             target_modules=list(lora["targets"]),
-                                             task_type="CAUSAL_LM"))  # fmt: skip
+    model = lora_model(spec["model_dir"], r=lora["r"], alpha=lora["alpha"], targets=lora["targets"])
     params = [p for p in model.parameters() if p.requires_grad]
     frozen = next(p for n, p in model.named_parameters() if "base_layer" in n)
     before = (frozen.detach().clone(), [p.detach().clone() for p in params])
