@@ -43,8 +43,9 @@ bench: $(STAMP)
 # come from .whl/ offline. Without CUDA it exits 2 at once. Report: docs/gpu/<date>-<gpu>.md.
 GPU_PY ?= python3
 WHEELS ?= .whl
+GPU_ARGS ?=  # e.g. --out DIR --work DIR --budget SECONDS (python3 tools/gpu_check.py -h)
 gpu-check:
-	@$(GPU_PY) tools/gpu_check.py --wheels $(WHEELS)
+	@$(GPU_PY) tools/gpu_check.py --wheels $(WHEELS) $(GPU_ARGS)
 
 # Networked machine: `make gpu-wheels PY=3.12` downloads those wheels for that Python into .whl/
 # (pinned to the versions of .venv when it exists: the CPU-tested ones).

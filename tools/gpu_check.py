@@ -16,12 +16,15 @@ import platform
 import re
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WORK = ROOT / "build" / "gpu-check"
+WORK = (
+    ROOT / "build" / "gpu-check"
+)  # logs; --work moves them (a lent GPU machine returns one folder)
 # The throughput run: Llama 3 8B shapes (4 of its 32 layers), random base, LoRA on every linear.
 TPUT = ["+exp=8b_lora", "model.num_layers=4", "model.allow_random_base=true", "cluster.num_gpus=null", "data.format=instruction",
         "train.global_batch_size=8", "train.max_steps=12", "eval.interval=0",
@@ -73,12 +76,42 @@ def install(wheels: Path) -> list[str]:
     return done
 
 
-def run_tests(junit: Path) -> tuple[list[tuple[str, str, str]], str]:
+def log(msg: str) -> None:
+    print(f"gpu-check {time.strftime('%H:%M:%S')}: {msg}", flush=True)
+
+
+def timed_run(cmd: list[str], seconds: float, log_file: Path) -> tuple[int, str]:
+    """Run cmd with its output going to log_file as it comes (a killed run still leaves its log);
+    past `seconds` it is killed and reported as exit 124."""
+    with open(log_file, "w") as f:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=max(seconds, 1)).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rc = 124
+            f.write(f"\ngpu-check: killed after {seconds:.0f} s (--budget)\n")
+    return rc, log_file.read_text()
+
+
+def xdist_args(workers: int) -> list[str]:
+    """Cases run as separate processes on the one GPU; pytest-xdist runs several at once."""
+    try:
+        metadata.version("pytest-xdist")
+    except metadata.PackageNotFoundError:
+        return []
+    return ["-n", str(workers)] if workers > 1 else []
+
+
+def run_tests(junit: Path, seconds: float, per_test: int, workers: int):
     """pytest -m gpu tests/gpu -> [(test, outcome, reason)], and pytest's last line."""
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-rs",
-           "-p", "no:cacheprovider", f"--junitxml={junit}"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    (WORK / "pytest.log").write_text(proc.stdout + proc.stderr)
+           "-p", "no:cacheprovider", f"--junitxml={junit}", *xdist_args(workers)]  # fmt: skip
+    try:
+        metadata.version("pytest-timeout")
+        cmd.append(f"--timeout={per_test}")
+    except metadata.PackageNotFoundError:
+        pass
+    rc, text = timed_run(cmd, seconds, WORK / "pytest.log")
     rows = []
     if junit.exists():
         for case in ET.parse(junit).getroot().iter("testcase"):
@@ -92,25 +125,26 @@ def run_tests(junit: Path) -> tuple[list[tuple[str, str, str]], str]:
                         (el.get("message") or "").splitlines()[0][:200] if el.get("message") else ""
                     )
             rows.append((name, outcome, reason))
-    last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    last = (text.strip().splitlines() or ["(no output)"])[-1]
+    if rc == 124:
+        last = f"killed at the time budget ({seconds:.0f} s); {last}"
     return rows, last
 
 
-def throughput() -> dict:
+def throughput(seconds: float) -> dict:
     """The short 8B-shaped LoRA run: median measured tokens/s/GPU and the planner's prediction."""
-    run_dir = WORK / "tput"
+    run_dir = ROOT / "build" / "gpu-check-tput"  # not under --work: a run dir holds many files
     cmd = [sys.executable, "-m", "ftcore.train", *TPUT, f"run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    (WORK / "tput.log").write_text(proc.stdout + proc.stderr)
-    out: dict = {"overrides": " ".join(TPUT), "rc": proc.returncode}
+    rc, text = timed_run(cmd, seconds, WORK / "tput.log")
+    out: dict = {"overrides": " ".join(TPUT), "rc": rc}
     metrics = run_dir / "metrics.jsonl"
-    if proc.returncode == 0 and metrics.exists():
+    if rc == 0 and metrics.exists():
         rates = [r["tokens_per_s_per_gpu"] for r in map(json.loads, metrics.read_text().split("\n")[:-1])
                  if "tokens_per_s_per_gpu" in r][WARMUP:]  # fmt: skip
         if rates:
             out["measured"] = sorted(rates)[len(rates) // 2]
     else:
-        out["error"] = (proc.stderr.strip().splitlines() or ["?"])[-1][:300]
+        out["error"] = (text.strip().splitlines() or ["?"])[-1][:300]
     plan = subprocess.run([sys.executable, "-m", "ftcore.plan", *TPUT, "plan.format=json"],
                           cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     (WORK / "plan.json").write_text(plan.stdout + plan.stderr)
@@ -166,17 +200,26 @@ def report(gpu: str, installed, rows, last, tput, vers) -> str:
 
 
 def main() -> int:
+    global WORK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--wheels", default=str(ROOT / ".whl"), help="offline wheel folder")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "gpu"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "gpu"), help="where the report goes")
+    ap.add_argument("--work", default=str(WORK), help="where the logs go")
+    ap.add_argument("--budget", type=float, default=3600, help="seconds for tests + throughput")
+    ap.add_argument("--test-timeout", type=int, default=300, help="seconds per GPU test")
+    ap.add_argument("--workers", type=int, default=4, help="GPU tests at once (pytest-xdist)")
     args = ap.parse_args()
     cuda_or_exit()  # before anything is installed or written
     import torch
 
+    WORK = Path(args.work)
     WORK.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
     installed = install(Path(args.wheels))
-    rows, last = run_tests(WORK / "junit.xml")
-    tput = throughput()
+    log(f"installed offline: {', '.join(installed) or 'nothing'}; GPU tests next")
+    rows, last = run_tests(WORK / "junit.xml", 0.7 * args.budget, args.test_timeout, args.workers)
+    log(f"GPU tests: {last}; throughput run next")
+    tput = throughput(args.budget - (time.monotonic() - start))
     gpu = torch.cuda.get_device_name(0)
     text = report(gpu, installed, rows, last, tput, versions())
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
