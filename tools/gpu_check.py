@@ -27,9 +27,23 @@ WORK = (
 )  # logs; --work moves them (a lent GPU machine returns one folder)
 # The throughput run: Llama 3 8B shapes (4 of its 32 layers), random base, LoRA on every linear.
 TPUT = ["+exp=8b_lora", "model.num_layers=4", "model.allow_random_base=true", "cluster.num_gpus=null", "data.format=instruction",
-        "train.global_batch_size=8", "train.max_steps=12", "eval.interval=0",
+        "train.global_batch_size=8", "train.max_steps=20", "eval.interval=0",
         "checkpoint.interval=0", "checkpoint.save_at_end=false", "logger.progress=lines"]  # fmt: skip
-WARMUP = 4  # steps left out of the measured median
+WARMUP = 5  # steps left out of the measured median
+# conf/cluster of the GPU the check runs on (the planner predicts for it), by device name
+CLUSTERS = (
+    ("gb200", "gb200"),
+    ("gb300", "gb300"),
+    ("b200", "b200"),
+    ("h200", "h200"),
+    ("h100", "h100"),
+)
+
+
+def cluster_of(gpu: str) -> list[str]:
+    """The cluster override for this GPU; none (the experiment's own) for a GPU ftcore has none of."""
+    name = gpu.lower()
+    return next(([f"cluster={c}"] for key, c in CLUSTERS if key in name), [])
 
 
 def cuda_or_exit() -> None:
@@ -131,21 +145,23 @@ def run_tests(junit: Path, seconds: float, per_test: int, workers: int):
     return rows, last
 
 
-def throughput(seconds: float) -> dict:
+def throughput(seconds: float, gpu: str) -> dict:
     """The short 8B-shaped LoRA run: median measured tokens/s/GPU and the planner's prediction."""
     run_dir = ROOT / "build" / "gpu-check-tput"  # not under --work: a run dir holds many files
-    cmd = [sys.executable, "-m", "ftcore.train", *TPUT, f"run.dir={run_dir}"]
+    overrides = [*TPUT, *cluster_of(gpu)]
+    cmd = [sys.executable, "-m", "ftcore.train", *overrides, f"run.dir={run_dir}"]
     rc, text = timed_run(cmd, seconds, WORK / "tput.log")
-    out: dict = {"overrides": " ".join(TPUT), "rc": rc}
+    out: dict = {"overrides": " ".join(overrides), "rc": rc}
     metrics = run_dir / "metrics.jsonl"
     if rc == 0 and metrics.exists():
         rates = [r["tokens_per_s_per_gpu"] for r in map(json.loads, metrics.read_text().split("\n")[:-1])
                  if "tokens_per_s_per_gpu" in r][WARMUP:]  # fmt: skip
         if rates:
             out["measured"] = sorted(rates)[len(rates) // 2]
+            out["steps"] = rates
     else:
         out["error"] = (text.strip().splitlines() or ["?"])[-1][:300]
-    plan = subprocess.run([sys.executable, "-m", "ftcore.plan", *TPUT, "plan.format=json"],
+    plan = subprocess.run([sys.executable, "-m", "ftcore.plan", *overrides, "plan.format=json"],
                           cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     (WORK / "plan.json").write_text(plan.stdout + plan.stderr)
     try:
@@ -172,10 +188,10 @@ def versions() -> dict[str, str]:
             "peft": ver("peft"), "bitsandbytes": ver("bitsandbytes")}  # fmt: skip
 
 
-def report(gpu: str, installed, rows, last, tput, vers) -> str:
+def report(gpu: str, installed, rows, last, tput, vers, commit=None) -> str:
     today = datetime.date.today().isoformat()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "?"  # fmt: skip
+    commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                      capture_output=True, text=True).stdout.strip() or "?"  # fmt: skip
     lines = [f"# make gpu-check, {today}, {gpu}", "", f"Commit {commit}. Installed offline for this "
              f"run: {', '.join(installed) or 'nothing'}.", "", "## Versions", ""]  # fmt: skip
     lines += [f"- {k}: {v}" for k, v in vers.items()]
@@ -195,7 +211,11 @@ def report(gpu: str, installed, rows, last, tput, vers) -> str:
     else:
         ratio = f" ({meas / pred:.2f} x the prediction)" if pred else ""
         lines.append(f"- measured: {meas:,.0f} tokens/s/GPU (median of steps {WARMUP + 1}+){ratio}")
+        lines.append(f"- each of those steps: {', '.join(f'{r:,.0f}' for r in tput['steps'])}")
     lines.append(f"- planner predicted: {f'{pred:,.0f}' if pred else 'n/a'} tokens/s/GPU")
+    if vers["transformer-engine"] == "not installed":
+        lines.append("- the run used megatron's local layers (no Transformer Engine here); the "
+                     "planner's speed is fitted to published runs with Transformer Engine")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -208,6 +228,7 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=3600, help="seconds for tests + throughput")
     ap.add_argument("--test-timeout", type=int, default=300, help="seconds per GPU test")
     ap.add_argument("--workers", type=int, default=4, help="GPU tests at once (pytest-xdist)")
+    ap.add_argument("--commit", help="the commit tested, where the copy's git does not know it")
     args = ap.parse_args()
     cuda_or_exit()  # before anything is installed or written
     import torch
@@ -219,9 +240,9 @@ def main() -> int:
     log(f"installed offline: {', '.join(installed) or 'nothing'}; GPU tests next")
     rows, last = run_tests(WORK / "junit.xml", 0.7 * args.budget, args.test_timeout, args.workers)
     log(f"GPU tests: {last}; throughput run next")
-    tput = throughput(args.budget - (time.monotonic() - start))
     gpu = torch.cuda.get_device_name(0)
-    text = report(gpu, installed, rows, last, tput, versions())
+    tput = throughput(args.budget - (time.monotonic() - start), gpu)
+    text = report(gpu, installed, rows, last, tput, versions(), args.commit)
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
     out = Path(args.out) / f"{datetime.date.today().isoformat()}-{slug}.md"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -205,7 +205,11 @@ def attention_at_rows(
     n = rows.numel()
     col = rows % b
     order = torch.argsort(col * (s * b) + rows)  # by sequence, then position
-    counts = torch.bincount(col, minlength=b)
+    # rows per sequence; not torch.bincount, whose output size is a device read (a host sync per
+    # micro-batch on CUDA, found by tests/gpu/test_host_sync.py on an H200)
+    counts = torch.zeros(b, dtype=col.dtype, device=col.device).index_add_(
+        0, col, torch.ones_like(col)
+    )
     if width is None:  # a device read; the training step passes it from the host mask
         width = int(counts.max())
     by_col = col[order]

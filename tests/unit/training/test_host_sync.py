@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ftcore.config.schema import compose
 from ftcore.data import pipeline, transfer
@@ -210,3 +211,38 @@ def test_target_rows_width_from_the_host_mask(seed):
         attention_at_rows(q, k, v, mask, rows, 0.5, width),
         attention_at_rows(q, k, v, mask, rows, 0.5),
     )
+
+
+# aten ops whose output size depends on tensor values, or that read a value: on CUDA each waits
+# for the GPU (torch.bincount did, per micro-batch, on an H200: docs/gpu/)
+DEVICE_READS = ("bincount", "nonzero", "unique", "masked_select", "_local_scalar_dense", "item")
+
+
+class RecordReads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if any(name.startswith(r) for r in DEVICE_READS):
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("seed", range(1, 6))
+def test_target_rows_attention_reads_no_device_value(seed):
+    """Given its width (the host count), the last layer's target-row attention runs no op that
+    reads the device: the CPU stand-in for the GPU's sync count."""
+    from ftcore.models import target_logits
+    from ftcore.models.local.attention import attention_at_rows
+
+    rng = np.random.default_rng(seed)
+    b, s = 3, 16
+    loss_mask = torch.from_numpy((rng.random((b, s)) < 0.3).astype(np.float32))
+    rows, width = target_logits.rows_of(loss_mask), target_logits.widest(loss_mask)
+    q, k, v = (torch.randn(s, b, 2, 4) for _ in "qkv")
+    mask = torch.zeros(1, 1, s, s, dtype=torch.bool)
+    with RecordReads() as rec:
+        attention_at_rows(q, k, v, mask, rows, 0.5, width)
+    assert rec.reads == []
