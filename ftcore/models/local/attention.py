@@ -20,12 +20,14 @@ through `query_rows`): `attention_at_rows` attends just those.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ftcore.data.transfer import to_device
 from ftcore.models.local import cp_attention
@@ -164,6 +166,19 @@ def with_documents(mask: torch.Tensor, docs: Documents) -> torch.Tensor:
 
 
 _CAUSAL: dict[tuple, torch.Tensor] = {}
+# On CUDA, SDPA calls whose shapes change with every micro-batch (document buckets, target rows)
+# stay off cuDNN: it builds an execution plan per new shape, ~7-8 ms of host time per call in
+# tools/gpu_profile.py on an H200 (docs/gpu/2026-11-26-nvidia-h200.md), with the GPU idle half
+# the step. Flash (causal, GQA) and memory-efficient (masks) kernels need no plan; math is the
+# fallback that takes anything.
+VARYING_SHAPES = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def varying_shapes(t: torch.Tensor):
+    """The SDPA backends for a call whose shapes vary per micro-batch (see VARYING_SHAPES)."""
+    return sdpa_kernel(VARYING_SHAPES) if t.is_cuda else contextlib.nullcontext()
+
+
 MATMUL_WIDTH = 128  # widest bucket for causal_attention (fp32, fp64): it keeps [heads, w, w]
 
 
@@ -221,10 +236,13 @@ def attention_at_rows(
     q = query.reshape(s * b, heads, d).index_select(0, grid).view(b, width, heads, d)
     k, v = (t.permute(1, 2, 0, 3) for t in (key, value))  # [b, groups, s, d]
     own = mask[seq if mask.shape[0] > 1 else torch.zeros_like(seq), 0, pos]  # True = masked out
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k, v, attn_mask=~own.view(b, 1, width, s), scale=scale,
-        enable_gqa=k.shape[1] != heads,
-    )  # fmt: skip
+    if q.is_cuda and k.shape[1] != heads:  # the memory-efficient kernel takes masks, not GQA
+        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    with varying_shapes(q):
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=~own.view(b, 1, width, s), scale=scale,
+            enable_gqa=k.shape[1] != heads,
+        )  # fmt: skip
     home = torch.empty_like(order)
     home[order] = cell
     return out.transpose(1, 2).reshape(b * width, heads * d).index_select(0, home)
@@ -318,9 +336,10 @@ class SdpaAttention(DotProductAttention):
             if width <= MATMUL_WIDTH and exact:
                 ctx = causal_attention(qd, kd, vd, self.softmax_scale)
             else:  # flash: its memory grows with width, not width squared
-                ctx = F.scaled_dot_product_attention(
-                    qd, kd, vd, is_causal=True, scale=self.softmax_scale, enable_gqa=True
-                )
+                with varying_shapes(qd):
+                    ctx = F.scaled_dot_product_attention(
+                        qd, kd, vd, is_causal=True, scale=self.softmax_scale, enable_gqa=True
+                    )
             outs.append(ctx.reshape(-1, d))
         # softmax over one key: its value, the group's for each of its query heads
         outs.append(v1.view(-1, groups, 1, d).expand(-1, groups, heads // groups, d).reshape(-1, d))

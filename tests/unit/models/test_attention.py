@@ -111,3 +111,29 @@ def test_attention_at_rows_is_sdpa_at_those_rows(heads, groups, one_mask):
     half = attention_at_rows(*(t.detach().bfloat16() for t in (q, k, v)), mask, rows, 0.4)
     assert half.dtype == torch.bfloat16
     torch.testing.assert_close(half.double(), ref.detach(), rtol=2e-2, atol=2e-2)
+
+
+def test_varying_shape_backends_leave_cudnn_out_and_keep_a_fallback():
+    """The document-bucket and target-row SDPA calls change shape every micro-batch: on CUDA they
+    run without cuDNN (a plan build per new shape, docs/gpu/2026-11-26-nvidia-h200.md), and the
+    backends left can run both call forms (math takes anything); on CPU nothing is restricted."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ftcore.models.local import attention
+
+    assert SDPBackend.CUDNN_ATTENTION not in attention.VARYING_SHAPES
+    assert isinstance(attention.varying_shapes(torch.zeros(1)), contextlib.nullcontext)
+    q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16)
+    mask = torch.rand(2, 1, 8, 8) > 0.3
+    mask[..., 0] = True
+    with sdpa_kernel(attention.VARYING_SHAPES):
+        causal = torch.nn.functional.scaled_dot_product_attention(
+            q, k, k, is_causal=True, enable_gqa=True
+        )
+        masked = torch.nn.functional.scaled_dot_product_attention(
+            q, k, k, attn_mask=mask, enable_gqa=True
+        )
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
+    assert torch.allclose(causal, ref) and masked.isfinite().all()
