@@ -174,6 +174,9 @@ def init_distributed(cfg: DictConfig) -> DistInfo:
         threads = cfg.launcher.threads_per_rank or cpu_threads(local_world)
         torch.set_num_threads(threads)
     if not dist.is_initialized():
+        # device_id: NCCL binds this rank's GPU now instead of guessing it from the global rank
+        # for barriers (torch warned of a possible hang on the H200 run, docs/gpu/), creates the
+        # communicator eagerly and splits megatron's groups from it
         dist.init_process_group(
             backend=GPU_BACKEND if use_cuda else "gloo",
             rank=rank,
@@ -181,6 +184,7 @@ def init_distributed(cfg: DictConfig) -> DistInfo:
             timeout=datetime.timedelta(
                 minutes=int(os.environ.get("FTCORE_DIST_TIMEOUT_MIN", "30"))
             ),
+            device_id=device if use_cuda else None,
         )
     return DistInfo(rank, world, local_rank, local_world, device)
 
