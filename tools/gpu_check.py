@@ -171,6 +171,20 @@ def throughput(seconds: float, gpu: str) -> dict:
     return out
 
 
+def profile(seconds: float, overrides: str) -> list[str]:
+    """tools/gpu_profile.py on the throughput run's config: the GPU's busy share of a step and
+    the full op tables (profile.txt beside the logs); its summary lines, or why there are none."""
+    if seconds < 45:
+        return [f"not run: {seconds:.0f} s of --budget left"]
+    out = WORK / "profile.txt"
+    cmd = [sys.executable, "tools/gpu_profile.py", str(out), *overrides.split(),
+           f"run.dir={ROOT / 'build' / 'gpu-check-profile'}"]  # fmt: skip
+    rc, text = timed_run(cmd, seconds, WORK / "profile.log")
+    if rc != 0 or not out.exists():
+        return [f"did not finish (exit {rc}): {(text.strip().splitlines() or ['?'])[-1][:300]}"]
+    return out.read_text().splitlines()[1:3]
+
+
 def versions() -> dict[str, str]:
     import torch
 
@@ -213,6 +227,9 @@ def report(gpu: str, installed, rows, last, tput, vers, commit=None) -> str:
         lines.append(f"- measured: {meas:,.0f} tokens/s/GPU (median of steps {WARMUP + 1}+){ratio}")
         lines.append(f"- each of those steps: {', '.join(f'{r:,.0f}' for r in tput['steps'])}")
     lines.append(f"- planner predicted: {f'{pred:,.0f}' if pred else 'n/a'} tokens/s/GPU")
+    if "profile" in tput:
+        lines += ["", "## Where a step's time goes (`tools/gpu_profile.py`, same config)", ""]
+        lines += [f"- {ln}" for ln in tput["profile"]]
     if vers["transformer-engine"] == "not installed":
         lines.append("- the run used megatron's local layers (no Transformer Engine here); the "
                      "planner's speed is fitted to published runs with Transformer Engine")  # fmt: skip
@@ -242,6 +259,7 @@ def main() -> int:
     log(f"GPU tests: {last}; throughput run next")
     gpu = torch.cuda.get_device_name(0)
     tput = throughput(args.budget - (time.monotonic() - start), gpu)
+    tput["profile"] = profile(args.budget - (time.monotonic() - start), tput["overrides"])
     text = report(gpu, installed, rows, last, tput, versions(), args.commit)
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
     out = Path(args.out) / f"{datetime.date.today().isoformat()}-{slug}.md"
