@@ -41,7 +41,8 @@ def main(out: str, overrides: list[str]) -> None:
     wall = sum(walls) / STEPS
     lines = [f"overrides: {' '.join(overrides)}",
              f"step wall s: {', '.join(f'{w:.3f}' for w in walls)} (mean {wall:.3f})",
-             f"GPU kernel s per step: {kernel_s:.3f} (busy {kernel_s / wall:.0%} of the wall)", ""]  # fmt: skip
+             f"GPU kernel s per step: {kernel_s:.3f} (busy {kernel_s / wall:.0%} of the wall)"
+             if cuda else "no GPU: host time only", ""]  # fmt: skip
     if cuda:
         lines += [
             "## by GPU time",
