@@ -72,3 +72,34 @@ def test_gpu_wheels_keeps_only_what_the_bare_image_lacks():
         "omegaconf",
         "antlr4-python3-runtime",
     }
+
+
+def _gpu_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    return gc
+
+
+def test_throughput_is_predicted_for_the_gpu_it_ran_on():
+    """The planner is asked about the GPU the run measured (an H200 run was first compared with an
+    H100 prediction); a GPU ftcore has no cluster file for keeps the experiment's."""
+    gc = _gpu_check()
+    assert gc.cluster_of("NVIDIA H200") == ["cluster=h200"]
+    assert gc.cluster_of("NVIDIA H100 80GB HBM3") == ["cluster=h100"]
+    assert gc.cluster_of("NVIDIA GB200") == ["cluster=gb200"]  # not b200: checked first
+    assert gc.cluster_of("NVIDIA B200") == ["cluster=b200"]
+    assert gc.cluster_of("Tesla T4") == []
+    for _, c in gc.CLUSTERS:
+        assert (ROOT / "conf" / "cluster" / f"{c}.yaml").exists()
+
+
+def test_a_step_past_the_budget_is_killed_and_its_log_kept(tmp_path):
+    gc = _gpu_check()
+    gc.WORK = tmp_path
+    cmd = [sys.executable, "-u", "-c", "print('started', flush=True); import time; time.sleep(30)"]
+    rc, text = gc.timed_run(cmd, 3, tmp_path / "x.log")
+    assert rc == 124 and text.startswith("started") and "killed after 3 s" in text
+    assert gc.profile(10, "+exp=tiny_lora") == ["not run: 10 s of --budget left"]
