@@ -7,6 +7,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 EXP ?= tiny_lora
 PYTEST_ARGS ?=
+# pytest-xdist workers: the suite waits on process starts and SLURM's schedule, so two workers
+# keep 2 cores busy (docs/checks.md). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup train test test-fast lint format bench clean gpu-check gpu-wheels
 
@@ -23,7 +26,7 @@ train: $(STAMP)
 	$(BIN)/python -m ftcore.train +exp=$(EXP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)

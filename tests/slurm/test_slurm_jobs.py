@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
+# One worker runs them all: one local SLURM per session (tests/slurm/conftest.py).
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900), pytest.mark.xdist_group("slurm")]
 
 TINY = [
     "model.num_layers=4",
