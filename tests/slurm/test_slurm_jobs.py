@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-# One worker runs them all: one local SLURM per session (tests/slurm/conftest.py).
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900), pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 
 TINY = [
     "model.num_layers=4",
