@@ -13,6 +13,13 @@ from tests.support.cli import LAUNCHER_ENV, QUESTION
 
 megatron_jit.install()  # tests import megatron-core in this process too (as ftcore/cli.py does)
 os.environ.setdefault("FTCORE_LOG_LEVEL", "WARNING")
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    # pytest-xdist workers (make test) share the cores: each worker's processes, this one and those
+    # it starts, get their share of torch threads (set before torch is imported), or the OpenMP
+    # threads of two workers' processes spin at their barriers on each other's cores.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (cores or 1) // _workers)))
 warnings.filterwarnings("ignore")
 
 
