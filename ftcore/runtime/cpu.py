@@ -275,3 +275,15 @@ def foreach_grad_ops() -> None:
         clip_grads.l2_norm_impl = _foreach_l2_norm
     if clip_grads.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
         clip_grads.multi_tensor_scale_impl = _foreach_scale
+
+
+def no_dynamo_wrappers() -> None:
+    """torch wraps Optimizer.add_param_group, zero_grad, state_dict and load_state_dict in
+    `torch._disable_dynamo`, which imports torch._dynamo at the first call only to mark them as
+    not to be traced: ~2 s of CPU in every process that builds an optimizer (a fused AdamW of one
+    tensor: 2.0 s here). Nothing is compiled on the CPU runtime (runtime/megatron_jit.py), so each
+    is given itself as its disabled form, which the wrapper then calls directly. Idempotent."""
+    code = torch._disable_dynamo(lambda: None).__code__  # the wrappers' shared inner function
+    for f in vars(torch.optim.Optimizer).values():
+        if getattr(f, "__code__", None) is code:
+            f.__wrapped__.__dynamo_disable = f.__wrapped__

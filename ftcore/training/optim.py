@@ -38,6 +38,8 @@ def build_optimizer(cfg: DictConfig, model: list, *, gloo_groups: bool = True):
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=cfg.parallel.distributed_optimizer,
     )
+    if cpu.is_active():
+        cpu.no_dynamo_wrappers()  # before torch's Optimizer is first built
     with cpu.device_mode():
         optimizer = get_megatron_optimizer(config, model, use_gloo_process_groups=gloo_groups)
     if cpu.is_active():

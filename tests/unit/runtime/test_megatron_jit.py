@@ -26,3 +26,31 @@ def test_megatron_imports_without_torch_compile():
         pytest.skip("with CUDA megatron keeps torch.compile")
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["noop_decorator", "False", "True"], out.stderr[-2000:]
+
+
+BUILD = """
+import sys
+from ftcore.runtime import megatron_jit
+megatron_jit.install()
+from ftcore.config.schema import compose
+from ftcore.training import trainer
+state = trainer.setup(compose(["+exp=tiny_lora", "model.allow_random_base=true", "eval.interval=0",
+                               "checkpoint.interval=0", "run.dir=" + sys.argv[1]]))
+state.optimizer.zero_grad()
+sd = state.optimizer.state_dict()
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_a_run_builds_its_optimizer_without_torch_dynamo(tmp_path):
+    """torch's Optimizer methods import torch._dynamo only to mark themselves untraceable (~2 s of
+    CPU); on the CPU runtime a run that builds, zeroes and saves an optimizer never loads it
+    (ftcore.runtime.cpu.no_dynamo_wrappers). The first Adam step still does: torch's step wrapper
+    imports it itself."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU runtime's path")
+    out = subprocess.run([sys.executable, "-c", BUILD, str(tmp_path)], capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    assert out.stdout.split()[-1] == "False", out.stderr[-2000:]
