@@ -174,9 +174,14 @@ _CAUSAL: dict[tuple, torch.Tensor] = {}
 VARYING_SHAPES = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def on_cuda(t: torch.Tensor) -> bool:
+    """Where the CUDA-only choices below apply (a function, so CPU tests can take that path)."""
+    return t.is_cuda
+
+
 def varying_shapes(t: torch.Tensor):
     """The SDPA backends for a call whose shapes vary per micro-batch (see VARYING_SHAPES)."""
-    return sdpa_kernel(VARYING_SHAPES) if t.is_cuda else contextlib.nullcontext()
+    return sdpa_kernel(VARYING_SHAPES) if on_cuda(t) else contextlib.nullcontext()
 
 
 MATMUL_WIDTH = 128  # widest bucket for causal_attention (fp32, fp64): it keeps [heads, w, w]
@@ -236,7 +241,7 @@ def attention_at_rows(
     q = query.reshape(s * b, heads, d).index_select(0, grid).view(b, width, heads, d)
     k, v = (t.permute(1, 2, 0, 3) for t in (key, value))  # [b, groups, s, d]
     own = mask[seq if mask.shape[0] > 1 else torch.zeros_like(seq), 0, pos]  # True = masked out
-    if q.is_cuda and k.shape[1] != heads:  # the memory-efficient kernel takes masks, not GQA
+    if on_cuda(q) and k.shape[1] != heads:  # the memory-efficient kernel takes masks, not GQA
         k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
     with varying_shapes(q):
         out = F.scaled_dot_product_attention(

@@ -77,14 +77,19 @@ def _check_per_document(seg):
         torch.testing.assert_close(got, want, msg=lambda m, name=name: f"d{name}: {m}")
 
 
+@pytest.mark.parametrize("cuda_path", [False, True], ids=["cpu", "cuda_path"])
 @pytest.mark.parametrize("heads, groups, one_mask", [(4, 2, False), (4, 4, False), (6, 1, True)])
-def test_attention_at_rows_is_sdpa_at_those_rows(heads, groups, one_mask):
+def test_attention_at_rows_is_sdpa_at_those_rows(heads, groups, one_mask, cuda_path, monkeypatch):
     """The last layer's queries at the target rows only (models/target_logits.py): the same
     outputs, and the same gradients into Q, K and V, as SDPA over every row with the mask, picked
     at those rows; packed documents and padding in one batch of three sequences, or one causal
-    mask for every sequence."""
+    mask for every sequence. `cuda_path`: the CUDA choices taken on CPU (K/V heads expanded for
+    GQA, cuDNN left out), so the GPU's head order is checked here too."""
     from ftcore.data.packing import attention_mask_from_segments
+    from ftcore.models.local import attention
     from ftcore.models.local.attention import attention_at_rows
+
+    monkeypatch.setattr(attention, "on_cuda", lambda t: cuda_path)
 
     seg = torch.tensor([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12, [1] * 2 + [2] * 7 + [0] * 3])
     b, s = seg.shape
