@@ -22,28 +22,22 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WORK = (
-    ROOT / "build" / "gpu-check"
-)  # logs; --work moves them (a lent GPU machine returns one folder)
+# the logs; --work moves them (a lent GPU machine returns one folder)
+WORK = ROOT / "build" / "gpu-check"
 # The throughput run: Llama 3 8B shapes (4 of its 32 layers), random base, LoRA on every linear.
 TPUT = ["+exp=8b_lora", "model.num_layers=4", "model.allow_random_base=true", "cluster.num_gpus=null", "data.format=instruction",
         "train.global_batch_size=8", "train.max_steps=20", "eval.interval=0",
         "checkpoint.interval=0", "checkpoint.save_at_end=false", "logger.progress=lines"]  # fmt: skip
 WARMUP = 5  # steps left out of the measured median
-# conf/cluster of the GPU the check runs on (the planner predicts for it), by device name
-CLUSTERS = (
-    ("gb200", "gb200"),
-    ("gb300", "gb300"),
-    ("b200", "b200"),
-    ("h200", "h200"),
-    ("h100", "h100"),
-)
+# conf/cluster files named in the GPU's device name (the planner predicts for it), in the order
+# they are looked for: gb200 before b200
+CLUSTERS = ("gb200", "gb300", "b200", "h200", "h100")
 
 
 def cluster_of(gpu: str) -> list[str]:
     """The cluster override for this GPU; none (the experiment's own) for a GPU ftcore has none of."""
     name = gpu.lower()
-    return next(([f"cluster={c}"] for key, c in CLUSTERS if key in name), [])
+    return next(([f"cluster={c}"] for c in CLUSTERS if c in name), [])
 
 
 def cuda_or_exit() -> None:
@@ -145,10 +139,9 @@ def run_tests(junit: Path, seconds: float, per_test: int, workers: int):
     return rows, last
 
 
-def throughput(seconds: float, gpu: str) -> dict:
+def throughput(seconds: float, overrides: list[str]) -> dict:
     """The short 8B-shaped LoRA run: median measured tokens/s/GPU and the planner's prediction."""
     run_dir = ROOT / "build" / "gpu-check-tput"  # not under --work: a run dir holds many files
-    overrides = [*TPUT, *cluster_of(gpu)]
     cmd = [sys.executable, "-m", "ftcore.train", *overrides, f"run.dir={run_dir}"]
     rc, text = timed_run(cmd, seconds, WORK / "tput.log")
     out: dict = {"overrides": " ".join(overrides), "rc": rc}
@@ -171,13 +164,13 @@ def throughput(seconds: float, gpu: str) -> dict:
     return out
 
 
-def profile(seconds: float, overrides: str) -> list[str]:
+def profile(seconds: float, overrides: list[str]) -> list[str]:
     """tools/gpu_profile.py on the throughput run's config: the GPU's busy share of a step and
     the full op tables (profile.txt beside the logs); its summary lines, or why there are none."""
     if seconds < 45:
         return [f"not run: {seconds:.0f} s of --budget left"]
     out = WORK / "profile.txt"
-    cmd = [sys.executable, "tools/gpu_profile.py", str(out), *overrides.split(),
+    cmd = [sys.executable, "tools/gpu_profile.py", str(out), *overrides,
            f"run.dir={ROOT / 'build' / 'gpu-check-profile'}"]  # fmt: skip
     rc, text = timed_run(cmd, seconds, WORK / "profile.log")
     if rc != 0 or not out.exists():
@@ -227,12 +220,12 @@ def report(gpu: str, installed, rows, last, tput, vers, commit=None) -> str:
         lines.append(f"- measured: {meas:,.0f} tokens/s/GPU (median of steps {WARMUP + 1}+){ratio}")
         lines.append(f"- each of those steps: {', '.join(f'{r:,.0f}' for r in tput['steps'])}")
     lines.append(f"- planner predicted: {f'{pred:,.0f}' if pred else 'n/a'} tokens/s/GPU")
-    if "profile" in tput:
-        lines += ["", "## Where a step's time goes (`tools/gpu_profile.py`, same config)", ""]
-        lines += [f"- {ln}" for ln in tput["profile"]]
     if vers["transformer-engine"] == "not installed":
         lines.append("- the run used megatron's local layers (no Transformer Engine here); the "
                      "planner's speed is fitted to published runs with Transformer Engine")  # fmt: skip
+    if "profile" in tput:
+        lines += ["", "## Where a step's time goes (`tools/gpu_profile.py`, same config)", ""]
+        lines += [f"- {ln}" for ln in tput["profile"]]
     return "\n".join(lines) + "\n"
 
 
@@ -258,8 +251,9 @@ def main() -> int:
     rows, last = run_tests(WORK / "junit.xml", 0.7 * args.budget, args.test_timeout, args.workers)
     log(f"GPU tests: {last}; throughput run next")
     gpu = torch.cuda.get_device_name(0)
-    tput = throughput(args.budget - (time.monotonic() - start), gpu)
-    tput["profile"] = profile(args.budget - (time.monotonic() - start), tput["overrides"])
+    overrides = [*TPUT, *cluster_of(gpu)]
+    tput = throughput(args.budget - (time.monotonic() - start), overrides)
+    tput["profile"] = profile(args.budget - (time.monotonic() - start), overrides)
     text = report(gpu, installed, rows, last, tput, versions(), args.commit)
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
     out = Path(args.out) / f"{datetime.date.today().isoformat()}-{slug}.md"

@@ -92,7 +92,7 @@ def test_throughput_is_predicted_for_the_gpu_it_ran_on():
     assert gc.cluster_of("NVIDIA GB200") == ["cluster=gb200"]  # not b200: checked first
     assert gc.cluster_of("NVIDIA B200") == ["cluster=b200"]
     assert gc.cluster_of("Tesla T4") == []
-    for _, c in gc.CLUSTERS:
+    for c in gc.CLUSTERS:
         assert (ROOT / "conf" / "cluster" / f"{c}.yaml").exists()
 
 
@@ -102,4 +102,4 @@ def test_a_step_past_the_budget_is_killed_and_its_log_kept(tmp_path):
     cmd = [sys.executable, "-u", "-c", "print('started', flush=True); import time; time.sleep(30)"]
     rc, text = gc.timed_run(cmd, 3, tmp_path / "x.log")
     assert rc == 124 and text.startswith("started") and "killed after 3 s" in text
-    assert gc.profile(10, "+exp=tiny_lora") == ["not run: 10 s of --budget left"]
+    assert gc.profile(10, ["+exp=tiny_lora"]) == ["not run: 10 s of --budget left"]
