@@ -3,7 +3,9 @@
 Sets a run up from the overrides (as `python -m ftcore.train` would), trains WARMUP steps, then
 profiles STEPS more with torch.profiler, and writes: each step's wall time, the GPU's kernel time
 per step (busy share of the wall: below 1 means the GPU waited for the host), and the ops that
-take the most GPU time and the most host time. Runs on CPU too (host time only), to check it.
+take the most GPU time and the most host time, then the host-heavy ops again grouped by the
+Python line that called them (a second pass with stacks: stacks slow the host, so the timed pass
+has none). Runs on CPU too (host time only), to check it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,37 @@ import time
 from pathlib import Path
 
 WARMUP, STEPS = 6, 6
+
+
+def kernel_seconds(events) -> float:
+    """Seconds the GPU ran kernels and copies. Only the events on the device count: an op on the
+    host also carries its kernels' time, so summing every event counts each kernel twice (the
+    first H200 report's "busy 51%" was 25%)."""
+    from torch.autograd import DeviceType
+
+    on_gpu = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    return sum(e.self_device_time_total for e in on_gpu) / 1e6
+
+
+def by_caller(events, rows: int = 25) -> list[str]:
+    """Host time of each (op, innermost ftcore Python function above it), the largest first: which
+    line of ours a host-heavy op comes from. The Python tracer records functions as events, so an
+    op's caller is its nearest ancestor event named `ftcore/...`."""
+    total: dict[tuple[str, str], list[float]] = {}
+    for e in events:
+        if e.name.startswith(("ftcore/", "megatron/", "torch/", "<built-in")) or ".py(" in e.name:
+            continue  # Python frames themselves: their ops are counted
+        caller, up = "(no ftcore frame)", e.cpu_parent
+        while up is not None:
+            if up.name.startswith("ftcore/"):
+                caller = up.name
+                break
+            up = up.cpu_parent
+        t = total.setdefault((e.name, caller), [0.0, 0])
+        t[0] += e.self_cpu_time_total
+        t[1] += 1
+    top = sorted(total.items(), key=lambda kv: -kv[1][0])[:rows]
+    return [f"{us / 1e3:9.2f} ms {n:6d} calls  {op}  <-  {caller}" for (op, caller), (us, n) in top]
 
 
 def main(out: str, overrides: list[str]) -> None:
@@ -37,7 +70,7 @@ def main(out: str, overrides: list[str]) -> None:
             sync()
             walls.append(time.perf_counter() - t0)
     events = prof.key_averages()
-    kernel_s = sum(e.self_device_time_total for e in events) / 1e6 / STEPS if cuda else 0.0
+    kernel_s = kernel_seconds(events) / STEPS
     wall = sum(walls) / STEPS
     lines = [f"overrides: {' '.join(overrides)}",
              f"step wall s: {', '.join(f'{w:.3f}' for w in walls)} (mean {wall:.3f})",
@@ -49,7 +82,13 @@ def main(out: str, overrides: list[str]) -> None:
             events.table(sort_by="self_device_time_total", row_limit=20),
             "",
         ]
-    lines += ["## by host time", events.table(sort_by="self_cpu_time_total", row_limit=20)]
+    lines += ["## by host time", events.table(sort_by="self_cpu_time_total", row_limit=20), ""]
+    with profile(activities=acts, with_stack=True) as prof:
+        for _ in range(2):
+            trainer.train_step(state)
+            sync()
+    lines += ["## by host time, with the ftcore function that called them (2 steps, stacks on)",
+              *by_caller(prof.events())]  # fmt: skip
     text = "\n".join(lines)
     Path(out).write_text(text)
     print(text)

@@ -60,6 +60,8 @@ CASES = {
     # megatron's local layers on the GPU: document mask, ftcore's document buckets
     "full_packed_local": ["+exp=tiny_full", "data.packing=true", "precision.te_layers=false"],
     "lora_unpacked": ["+exp=tiny_lora", "data.packing=false"],
+    # what `make gpu-check`'s throughput run trains without TE: LoRA, packed rows, local layers
+    "lora_packed_local": ["+exp=tiny_lora", "data.packing=true", "precision.te_layers=false"],
 }
 
 
