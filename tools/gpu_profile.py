@@ -33,12 +33,14 @@ def by_caller(events, rows: int = 25) -> list[str]:
     op's caller is its nearest ancestor event named `ftcore/...`."""
     total: dict[tuple[str, str], list[float]] = {}
     for e in events:
-        if e.name.startswith(("ftcore/", "megatron/", "torch/", "<built-in")) or ".py(" in e.name:
+        if ".py(" in e.name or e.name.startswith("<built-in"):
             continue  # Python frames themselves: their ops are counted
-        caller, up = "(no ftcore frame)", e.cpu_parent
+        ours = [f for f in (e.stack or []) if "ftcore/" in f]  # where torch records stacks
+        caller = ours[0][ours[0].rindex("ftcore/") :] if ours else "(no ftcore frame)"
+        up = None if ours else e.cpu_parent
         while up is not None:
-            if up.name.startswith("ftcore/"):
-                caller = up.name
+            if ".py(" in up.name and "ftcore/" in up.name:  # the path may be absolute
+                caller = up.name[up.name.rindex("ftcore/") :]
                 break
             up = up.cpu_parent
         t = total.setdefault((e.name, caller), [0.0, 0])

@@ -1,7 +1,6 @@
 """Run megatron-core on CPU (gloo): a test and dry-run backend, inactive whenever CUDA is used
 (plus CPU-only speed fixes at the end: the mode left for megatron's backward, all-reduces and
-broadcasts over one process skipped, the output layer's gradient layout, fused AdamW, foreach
-gradient norm and clipping).
+broadcasts over one process skipped, the output layer's gradient layout, fused AdamW).
 
 megatron-core assumes CUDA in two ways (see docs/cpu_runtime.md):
 1. calls into `torch.cuda` (current_device, RNG state, streams, synchronize): `activate()` replaces
@@ -244,37 +243,6 @@ def fused_adam(optimizer) -> None:
         if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
             for group in inner.param_groups:
                 group["fused"], group["foreach"] = True, False
-
-
-def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-    """megatron's local_multi_tensor_l2_norm (the L2 norm of every tensor of the lists), in two
-    torch calls instead of one per tensor."""
-    tensors = [t for ts in tensor_lists for t in ts]
-    if not tensors:
-        return torch.zeros(1), None
-    norms = torch._foreach_norm(tensors)
-    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1), None
-
-
-def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
-    """megatron's local_multi_tensor_scale (dst = src * scale) in one or two torch calls."""
-    src, dst = tensor_lists
-    if all(s is d for s, d in zip(src, dst)):
-        torch._foreach_mul_(dst, scale)
-    else:
-        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
-
-
-def foreach_grad_ops() -> None:
-    """Without Apex, megatron's gradient norm and clipping loop in Python, one torch call per
-    gradient (and each call pays the device mode); torch's foreach kernels take the whole list."""
-    from megatron.core import utils
-    from megatron.core.optimizer import clip_grads
-
-    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
-        clip_grads.l2_norm_impl = _foreach_l2_norm
-    if clip_grads.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
-        clip_grads.multi_tensor_scale_impl = _foreach_scale
 
 
 def no_dynamo_wrappers() -> None:

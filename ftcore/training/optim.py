@@ -12,7 +12,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
-from ftcore.runtime import cpu
+from ftcore.runtime import cpu, foreach_grads
 
 log = logging.getLogger("ftcore")
 
@@ -40,11 +40,11 @@ def build_optimizer(cfg: DictConfig, model: list, *, gloo_groups: bool = True):
     )
     if cpu.is_active():
         cpu.no_dynamo_wrappers()  # before torch's Optimizer is first built
+    foreach_grads.install()  # megatron without TE/Apex: no host read per gradient
     with cpu.device_mode():
         optimizer = get_megatron_optimizer(config, model, use_gloo_process_groups=gloo_groups)
     if cpu.is_active():
         cpu.fused_adam(optimizer)
-        cpu.foreach_grad_ops()
         optimizer.ftcore_grad_buffers = grad_buffers(model, optimizer)
     return optimizer
 

@@ -42,6 +42,9 @@ INTENDED = {
     "ftcore/training/trainer.py:_finalize_grads": "megatron's token-count read, once per step",
 }
 WARMUP, STEPS = 3, 2
+# an intended read happens a few times a step; one per parameter or per layer is not intended
+# (megatron's gradient norm without TE/Apex read each gradient: 58 a step, 4-layer LoRA, H200)
+MAX_PER_STEP = 6
 MARK = "host syncs: "
 BASE = [
     "cluster.device=cuda",
@@ -159,6 +162,8 @@ def test_no_unintended_host_sync(tmp_path, name):
         for s in res["sites"]:
             counts[micro_batches][s["owner"]] = counts[micro_batches].get(s["owner"], 0) + 1
         print(f"{name}, {micro_batches} micro-batches, TE {res['te']}: {counts[micro_batches]}")
+        many = {o: n for o, n in counts[micro_batches].items() if n > MAX_PER_STEP * STEPS}
+        assert not many, f"{name}: more than {MAX_PER_STEP} syncs a step from one place: {many}"
     assert counts[2] == counts[4], f"{name}: intended syncs grow with the micro-batches: {counts}"
 
 

@@ -344,29 +344,6 @@ def test_cpu_rope_is_megatrons_rotation(state, monkeypatch):
     _close(fast, slow)
 
 
-def test_foreach_grad_norm_and_clip_are_megatrons():
-    """cpu.foreach_grad_ops swaps megatron's per-tensor loops (no Apex) for foreach kernels: the
-    same norm and the same scaled gradients, in place and into other tensors."""
-    from megatron.core import utils
-
-    from ftcore.runtime import cpu
-
-    torch.manual_seed(0)
-    grads = [torch.randn(n, 3) for n in (1, 7, 64)]
-    want = torch.norm(torch.stack([torch.norm(g) for g in grads]))
-    got, _ = cpu._foreach_l2_norm(0, None, [grads], False)
-    torch.testing.assert_close(got, want.reshape(1), rtol=1e-6, atol=0)
-    assert cpu._foreach_l2_norm(0, None, [[]], False)[0].item() == 0.0
-    for same in (True, False):
-        src = [g.clone() for g in grads]
-        dst = src if same else [torch.empty_like(g) for g in grads]
-        ref = [g.clone() for g in grads]
-        utils.local_multi_tensor_scale(0, None, [ref, ref], 0.25)
-        cpu._foreach_scale(0, None, [src, dst], 0.25)
-        for a, b in zip(dst, ref):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
 def test_fused_lora_linear_is_megatrons_linear_plus_adapters(state, monkeypatch):
     """On the CPU runtime at TP 1 each LoRA linear runs as one autograd function with its frozen
     base (peft/fused.py): the same loss and adapter gradients as megatron's
