@@ -31,6 +31,8 @@ def by_caller(events, rows: int = 25) -> list[str]:
     """Host time of each (op, innermost ftcore Python function above it), the largest first: which
     line of ours a host-heavy op comes from. The Python tracer records functions as events, so an
     op's caller is its nearest ancestor event named `ftcore/...`."""
+    import torch
+
     total: dict[tuple[str, str], list[float]] = {}
     for e in events:
         if ".py(" in e.name or e.name.startswith("<built-in"):
@@ -46,6 +48,9 @@ def by_caller(events, rows: int = 25) -> list[str]:
         t = total.setdefault((e.name, caller), [0.0, 0])
         t[0] += e.self_cpu_time_total
         t[1] += 1
+    if all(caller == "(no ftcore frame)" for _, caller in total):
+        # torch 2.11+cu130 on an H200 recorded neither stacks nor Python frames here
+        return [f"torch {torch.__version__} recorded no Python frames: no caller to name"]
     top = sorted(total.items(), key=lambda kv: -kv[1][0])[:rows]
     return [f"{us / 1e3:9.2f} ms {n:6d} calls  {op}  <-  {caller}" for (op, caller), (us, n) in top]
 
