@@ -141,4 +141,9 @@ def wrap_ddp(cfg: DictConfig, chunks: list[GPTModel]):
                     disable_bucketing=i > 0,
                 )
             )
+    if not ddp_config.overlap_grad_reduce:  # DDP's hook only adds into main_grad: peft/fused.py may
+        for chunk in wrapped:
+            for param in chunk.module.parameters():
+                if param.requires_grad:
+                    param.ftcore_grad_into_main = True
     return wrapped

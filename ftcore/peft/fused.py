@@ -16,6 +16,7 @@ wasted multiplies by zero in r-wide GEMMs instead of a GEMM per group and slice.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -51,33 +52,46 @@ def layout(out: int, a_sizes: dict[str, int], b_of: dict[str, str], rows: dict) 
                   tuple(runs), tuple(rows[s] for s in names), not contiguous)  # fmt: skip
 
 
+class Hidden:
+    """Adapter parameters handed to the function out of autograd's sight: their gradients go
+    straight into megatron DDP's `main_grad` (see lora_linear), so autograd keeps no edge,
+    AccumulateGrad node or DDP hook for them."""
+
+    __slots__ = ("params",)
+
+    def __init__(self, params: tuple):
+        self.params = params
+
+
 class _LoraLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, lay: Layout, scale: float, *params):
+        hidden = len(params) == 1 and isinstance(params[0], Hidden)
+        params = params[0].params if hidden else params
         n_a = len(lay.a_sizes)
-        a = torch.cat(params[:n_a]) if n_a > 1 else params[0]
-        a = (a * scale).to(x.dtype)
-        bs = [b.to(x.dtype) for b in params[n_a:]]
+        a = _as(torch.cat(params[:n_a]) if n_a > 1 else params[0], x.dtype)
+        bs = [_as(b, x.dtype) for b in params[n_a:]]
         x2 = x.reshape(-1, x.shape[-1])
         y = x2 @ weight.t()
-        h = x2 @ a.t()  # [tokens, r * A's]
+        h = x2 @ a.t()  # [tokens, r * A's], unscaled: the scale rides on the GEMMs' alpha
         if lay.dense:
             b_full = _dense_b(lay, bs, h)
-            y.addmm_(h, b_full.t())
+            y.addmm_(h, b_full.t(), alpha=scale)
         else:
             b_full = None
             for (c0, c1), (r0, r1), b in zip(lay.a_cols, lay.runs, bs):
-                y[:, r0:r1].addmm_(h[:, c0:c1], b.t())
+                y[:, r0:r1].addmm_(h[:, c0:c1], b.t(), alpha=scale)
         ctx.save_for_backward(x2, weight, a, h, *bs)
         ctx.b_full, ctx.lay, ctx.scale, ctx.lead = b_full, lay, scale, x.shape[:-1]
-        ctx.dtypes = [p.dtype for p in params]
+        ctx.params, ctx.hidden = params, hidden
         return y.view(*x.shape[:-1], lay.out)
 
     @staticmethod
     def backward(ctx, grad):
         x2, weight, a, h, *bs = ctx.saved_tensors
-        lay = ctx.lay
+        lay, s = ctx.lay, ctx.scale
         g = grad.reshape(-1, lay.out)
+        # products without the scale (it rides on the GEMMs' alpha): dh = dy/dh / s
         if lay.dense:
             dh = g @ ctx.b_full
             db_full = g.t() @ h
@@ -87,16 +101,38 @@ class _LoraLinear(torch.autograd.Function):
             dbs = []
             for (c0, c1), (r0, r1), b in zip(lay.a_cols, lay.runs, bs):
                 dh[:, c0:c1].addmm_(g[:, r0:r1], b)
-                dbs.append(g[:, r0:r1].t() @ h[:, c0:c1])
+                dbs.append((g[:, r0:r1].t(), h[:, c0:c1]))  # dB = s * this product
         dx = None
         if ctx.needs_input_grad[0]:
             dx = g @ weight
-            dx.addmm_(dh, a)
+            dx.addmm_(dh, a, alpha=s)
             dx = dx.view(*ctx.lead, x2.shape[-1])
-        da = (dh.t() @ x2) * ctx.scale
-        das = da.split(list(lay.a_sizes)) if len(lay.a_sizes) > 1 else (da,)
-        grads = [t.to(dt) for t, dt in zip([*das, *dbs], ctx.dtypes)]
+        starts = [0, *itertools.accumulate(lay.a_sizes)]
+        das = [(dh[:, c0:c1].t(), x2) for c0, c1 in zip(starts, starts[1:])]  # dA = s * this
+        if ctx.hidden:
+            for p, d in zip(ctx.params, [*das, *dbs]):
+                if isinstance(d, tuple):
+                    p.main_grad.addmm_(*d, alpha=s)
+                else:
+                    p.main_grad.add_(d, alpha=s)
+            return dx, None, None, None, None
+        grads = []
+        for p, d in zip(ctx.params, [*das, *dbs]):
+            d = torch.mm(*d) if isinstance(d, tuple) else d
+            grads.append(_as(d.mul_(s) if s != 1.0 else d, p.dtype))
         return dx, None, None, None, *grads
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _into_main(p: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether p's gradient can go straight into megatron DDP's main_grad: wrap_ddp marked it
+    (overlap_grad_reduce off, where DDP's hook does nothing but that add) and main_grad has the
+    dtype the gradient is computed in."""
+    main = getattr(p, "main_grad", None)
+    return getattr(p, "ftcore_grad_into_main", False) and main is not None and main.dtype == dtype
 
 
 def _dense_b(lay: Layout, bs: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
@@ -109,5 +145,14 @@ def _dense_b(lay: Layout, bs: list[torch.Tensor], h: torch.Tensor) -> torch.Tens
 
 
 def lora_linear(x, weight, lay: Layout, scale: float, a_params, b_params) -> torch.Tensor:
-    """x @ weight.T + the adapters' outputs in their slices; weight is frozen."""
-    return _LoraLinear.apply(x, weight, lay, scale, *a_params, *b_params)
+    """x @ weight.T + the adapters' outputs in their slices; weight is frozen.
+
+    The adapters go to autograd as inputs, unless their gradients can go straight into DDP's
+    main_grad (megatron's gradient_accumulation_fusion does the same for TE's wgrad GEMMs): then
+    they are hidden, which saves an AccumulateGrad node, a DDP hook and a gradient tensor per
+    adapter and micro-batch. Hiding needs x to carry the graph (the first layer's input does not,
+    with a frozen embedding and norm), or the backward would never run."""
+    params = (*a_params, *b_params)
+    if x.requires_grad and torch.is_grad_enabled() and all(_into_main(p, x.dtype) for p in params):
+        return _LoraLinear.apply(x, weight, lay, scale, Hidden(params))
+    return _LoraLinear.apply(x, weight, lay, scale, *params)

@@ -84,3 +84,34 @@ def test_fused_lora_linear_gradcheck():
                                  params[: len(a)], params[len(a) :])  # fmt: skip
 
     assert torch.autograd.gradcheck(f, (x, *a, *b))
+
+
+@pytest.mark.parametrize("name, slices", CASES, ids=lambda c: c if isinstance(c, str) else "+".join(c))  # fmt: skip
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_adapter_gradients_straight_into_main_grad(name, slices, x_grad):
+    """Marked as wrap_ddp marks them (DDP overlap off), the adapters' gradients are added into
+    their main_grad, accumulating over two micro-batches as DDP's hook would, and autograd leaves
+    them no .grad. Where x carries no graph (the first layer's input with a frozen embedding) the
+    adapters must stay autograd inputs, or no backward would run: DDP's hook path then."""
+    mod = _module(name, slices)
+    params = [p for p in mod.parameters() if p.requires_grad]
+    xs = [torch.randn(5, 2, mod.base_layer.in_features, dtype=torch.float64, requires_grad=x_grad)
+          for _ in range(2)]  # fmt: skip
+    grads = [torch.randn(5, 2, mod.base_layer.out_features, dtype=torch.float64) for _ in xs]
+    want = [torch.zeros_like(p) for p in params]
+    for x, grad in zip(xs, grads):
+        for w, g in zip(want, torch.autograd.grad(_reference(mod, x), params, grad)):
+            w += g
+    for p in params:
+        p.main_grad, p.ftcore_grad_into_main = torch.zeros_like(p), True
+    for x, grad in zip(xs, grads):
+        out = fused.lora_linear(x, mod.base_layer.weight, mod._layout(), mod.scale,
+                                mod.lora_A.values(), mod.lora_B.values())  # fmt: skip
+        out.backward(grad)
+    for p, w in zip(params, want):
+        if x_grad:
+            assert p.grad is None
+            torch.testing.assert_close(p.main_grad, w, rtol=1e-12, atol=1e-12)
+        else:
+            assert not p.main_grad.any()
+            torch.testing.assert_close(p.grad, w, rtol=1e-12, atol=1e-12)
