@@ -27,7 +27,6 @@ __all__ = [
     "attention_mask_from_segments",
     "build_train_loader",
     "build_val_batches",
-    "load_prompts",
     "trim_multiple",
 ]
 log = logging.getLogger("ftcore")
@@ -109,7 +108,7 @@ def _check(cfg) -> None:
         )
 
 
-def _sources(cfg) -> list[tuple[str, float, str | None, str]]:
+def train_sources(cfg) -> list[tuple[str, float, str | None, str]]:
     """(path, weight, format, config field) of every training source."""
     if cfg.data.mix:
         return [
@@ -119,7 +118,7 @@ def _sources(cfg) -> list[tuple[str, float, str | None, str]]:
     return [(cfg.data.path or bundled_data("train"), 1.0, None, "data.path")]
 
 
-def _split(n: int, cfg) -> tuple[np.ndarray, np.ndarray]:
+def held_out_split(n: int, cfg) -> tuple[np.ndarray, np.ndarray]:
     """(train ids, held-out ids) of a source of n documents, from data.val_fraction and the seed."""
     perm = rng(cfg.run.seed, 4).permutation(n)
     k = int(round(n * cfg.data.val_fraction))
@@ -128,7 +127,7 @@ def _split(n: int, cfg) -> tuple[np.ndarray, np.ndarray]:
 
 def _load_train(cfg, tokenizer) -> tuple[Docs, list[int]]:
     docs, sizes, weights = Docs(), [], []
-    for path, weight, fmt, fld in _sources(cfg):
+    for path, weight, fmt, fld in train_sources(cfg):
         if weight <= 0:
             raise FtcoreError(
                 f"weight {weight} is not positive",
@@ -137,7 +136,7 @@ def _load_train(cfg, tokenizer) -> tuple[Docs, list[int]]:
             )
         tok = tokenize_source(path, tokenizer, cfg.data, fmt, fld)
         docs.bad_records += tok.bad_records
-        train_ids, _ = _split(len(tok), cfg)
+        train_ids, _ = held_out_split(len(tok), cfg)
         ids = _truncate(docs, tok, train_ids, cfg.data.seq_len, cfg.data.truncate)
         if len(ids) == 0:
             raise FtcoreError(
@@ -319,64 +318,6 @@ def set_steps_from_epochs(cfg, rows: int) -> None:
                         "may generalise better", epochs, REPEAT_WARNING)  # fmt: skip
 
 
-def load_prompts(cfg, tokenizer, path: str | None = None) -> list[tuple[list[int], str]]:
-    """(prompt ids, expected answer) per record of an instruction/chat file (default: the
-    validation data of build_val_batches): the inputs of exact-match accuracy. Bad records follow
-    data.on_bad_record."""
-    from ftcore.data.templates import Renderer
-
-    d = cfg.data
-    if path is None and not d.val_path and (d.path or d.mix) and d.val_fraction > 0:
-        return _held_out_prompts(cfg, tokenizer)
-    path = path or d.val_path or (bundled_data("val") if not (d.path or d.mix) else None)
-    if path is None:
-        raise FtcoreError(
-            "no data to compute accuracy on", field="data.val_path", fix="set data.val_path"
-        )
-    return _prompts(cfg, Renderer(tokenizer, d.format, d.chat_template, d.train_on_prompt), path)
-
-
-def _held_out_prompts(cfg, tokenizer) -> list[tuple[list[int], str]]:
-    """The prompts of the documents data.val_fraction holds out of each training source: the
-    same documents (_split over the usable records, as tokenize_source counts them) the
-    validation loss uses, never trained on. Text sources have no answers and give none."""
-    from ftcore.data.templates import Renderer
-
-    d, out = cfg.data, []
-    for path, _, fmt, _ in _sources(cfg):
-        fmt = fmt or d.format
-        if fmt == "text":
-            continue
-        renderer = Renderer(tokenizer, fmt, d.chat_template, d.train_on_prompt)
-        usable = _prompts(cfg, renderer, path, limit=d.max_samples, docs_only=True)
-        out += [usable[i] for i in _split(len(usable), cfg)[1]]
-    return out
-
-
-def _prompts(cfg, renderer, path: str, *, limit: int | None = None, docs_only: bool = False):
-    """(prompt ids, answer) per usable record of path; `docs_only`: a usable record is one that
-    tokenizes as a training document (the held-out split counts those)."""
-    from ftcore.data import sources
-    from ftcore.data.templates import BadRecord
-
-    out = []
-    for where, rec in sources.iter_records(sources.resolve(path)):
-        if limit is not None and len(out) >= limit:
-            break
-        try:
-            if isinstance(rec, Exception):
-                raise rec
-            if docs_only:
-                renderer.doc(rec)
-            out.append(renderer.prompt(rec))
-        except (BadRecord, sources.RecordError) as e:
-            if cfg.data.on_bad_record != "skip":
-                raise FtcoreError(
-                    f"{where}: {e}", field="data.path", fix="fix or remove the record"
-                ) from None
-    return out
-
-
 def _val_docs(cfg, tokenizer, path: str | None) -> Docs:
     docs = Docs()
     if path is None and cfg.data.val_path:
@@ -386,8 +327,10 @@ def _val_docs(cfg, tokenizer, path: str | None) -> Docs:
         picks = [np.arange(len(tok))]
         toks = [tok]
     elif cfg.data.val_fraction > 0:
-        toks = [tokenize_source(p, tokenizer, cfg.data, f, fld) for p, _, f, fld in _sources(cfg)]
-        picks = [_split(len(t), cfg)[1] for t in toks]
+        toks = [
+            tokenize_source(p, tokenizer, cfg.data, f, fld) for p, _, f, fld in train_sources(cfg)
+        ]
+        picks = [held_out_split(len(t), cfg)[1] for t in toks]
     elif not cfg.data.path and not cfg.data.mix:
         toks = [tokenize_source(bundled_data("val"), tokenizer, cfg.data, None, "data.val_path")]
         picks = [np.arange(len(toks[0]))]

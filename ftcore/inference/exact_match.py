@@ -20,7 +20,7 @@ def exact_match(state, path: str | None = None, *, max_samples: int | None = Non
     """Greedy answers to the held-out instruction prompts vs their reference answers
     (whitespace-normalised exact match). Every rank calls it. A row stops as soon as its text can
     no longer match, or 2 tokens past the longest reference: the score is the same, the work less."""
-    from ftcore.data.pipeline import load_prompts
+    from ftcore.data.prompts import load_prompts
 
     cfg, tok = state.cfg, state.tokenizer
     if cfg.data.format not in ("instruction", "chat"):

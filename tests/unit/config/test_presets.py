@@ -79,12 +79,13 @@ def test_explicit_accuracy_without_held_out_data_is_refused(tmp_path):
 def test_held_out_prompts_are_the_validation_split(tmp_path):
     """Accuracy's prompts are the very documents data.val_fraction holds out of training."""
     from ftcore.config.schema import compose
-    from ftcore.data.pipeline import _split, load_prompts
+    from ftcore.data.pipeline import held_out_split
+    from ftcore.data.prompts import load_prompts
     from ftcore.data.tokenizer import load_tokenizer
 
     data = _user_instructions(tmp_path / "mine.jsonl")
     cfg = compose([f"data.path={data}", "data.val_fraction=0.1", f"data.cache_dir={tmp_path}"])
     got = [answer for _, answer in load_prompts(cfg, load_tokenizer(cfg))]
-    train_ids, held_out = _split(40, cfg)
+    train_ids, held_out = held_out_split(40, cfg)
     assert got == [str(i + 1) for i in held_out] and len(got) == 4
     assert not set(held_out) & set(train_ids)

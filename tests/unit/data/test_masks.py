@@ -241,7 +241,7 @@ def test_template_from_file(tok, tmp_path):
 def test_prompt_for_accuracy(tok):
     """The prompt is the conversation up to the last assistant turn plus its generation prompt."""
     from ftcore.config.schema import compose
-    from ftcore.data.pipeline import load_prompts
+    from ftcore.data.prompts import load_prompts
 
     r = Renderer(tok, "instruction", None)
     ids, answer = r.prompt({"instruction": "What is 2 + 2?", "output": "4"})
