@@ -169,7 +169,7 @@ def merge_hf_config(cfg: DictConfig) -> DictConfig:
     """Fill cfg.model from model.hf_path/config.json; the tokenizer defaults to the same directory."""
     hf = read_hf_config(cfg.model.hf_path, seq_len=cfg.data.seq_len)
     fields = model_fields(hf, str(Path(cfg.model.hf_path) / "config.json"))
-    from ftcore.config.schema import RopeScalingConfig
+    from ftcore.config.groups import RopeScalingConfig
 
     scaling = fields.pop("rope_scaling")
     for key, value in fields.items():

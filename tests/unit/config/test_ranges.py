@@ -11,8 +11,9 @@ import pytest
 
 from ftcore import cli
 from ftcore.config import checks
+from ftcore.config.groups import FtcoreConfig
 from ftcore.config.ranges import RANGES, check_ranges
-from ftcore.config.schema import FtcoreConfig, compose
+from ftcore.config.schema import compose
 from ftcore.errors import FtcoreError
 
 

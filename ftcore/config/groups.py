@@ -1,0 +1,350 @@
+"""The config schema: one dataclass per config group (docs/design.md), the types Hydra merges the
+YAML files of `conf/` into, so an unknown key or a wrong type fails at compose time with the key's
+name. Composition itself, and its errors, are in ftcore.config.schema.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class RunConfig:
+    exp: str = "default"  # set by each exp/ file; names the output directory
+    dir: Optional[str] = None  # default outputs/<exp>/<job id or timestamp>, decided once by rank 0
+    seed: int = 1234
+    max_time: Optional[float] = None  # minutes; stop, save and exit 3 when reached
+    stop_file: Optional[str] = None  # default <run.dir>/STOP: a launcher asks the ranks to stop
+    handle_signals: bool = True  # SIGTERM/SIGUSR1 -> save at the step boundary, exit 3
+    # the command line's overrides, recorded by compose(): what the user set explicitly, as opposed
+    # to what a preset (+exp=NAME) set (ftcore/config/presets.py adapts only the latter)
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LauncherConfig:
+    nproc_per_node: int = 1
+    # CPU: torch threads per worker (default cores / workers)
+    threads_per_rank: Optional[int] = None
+
+
+@dataclass
+class RopeScalingConfig:
+    """Llama 3 rope scaling (`rope_type: llama3` in HF config.json)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    # llama | qwen2 (q/k/v biases) | qwen3 (q/k RMSNorm) | mistral: ftcore/models/families.py;
+    # read from config.json's `architectures` with model.hf_path
+    family: str = "llama"
+    # a local HF directory: shapes, weights and tokenizer come from it
+    hf_path: Optional[str] = None
+    tokenizer: Optional[str] = None  # a tokenizer directory; default: hf_path, else the bundled one
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    ffn_hidden_size: int = MISSING
+    num_attention_heads: int = MISSING
+    num_query_groups: int = MISSING  # kv heads (GQA)
+    kv_channels: Optional[int] = None  # head dim; default hidden / heads
+    vocab_size: int = MISSING
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScalingConfig] = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    # a safetensors base shipped in assets (tiny_lora's pretrained base)
+    init_path: Optional[str] = None
+    # random init without hf_path/init_path: auto | layout_independent | sharded. auto = sharded
+    # (each rank draws its shard on its GPU; not layout-independent) on GPU from 1e9 params on
+    init_method: str = "auto"
+    # adapters (peft=lora/qlora) on a random base are refused unless this is set: for benchmarks
+    # and tests that need no real weights
+    allow_random_base: bool = False
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    vp: int = 1  # virtual stages per pipeline rank (1 = no interleaving)
+    cp: int = 1
+    # how Transformer Engine's attention exchanges K/V across the CP group on GPU (megatron's
+    # cp_comm_type): p2p | all_gather | a2a | a2a+p2p (docs/context_parallel.md). The CPU path is
+    # all-gather.
+    cp_comm_type: str = "p2p"
+    # a2a+p2p only: [all-to-all group, ring] sizes, product = cp (megatron's
+    # hierarchical_context_parallel_sizes): all-to-all inside a node, the ring across nodes
+    hierarchical_cp_sizes: Optional[list[int]] = None
+    sp: bool = False  # sequence parallel, only with tp > 1
+    distributed_optimizer: bool = False
+    recompute: str = "none"  # none | selective | full
+    # selective: what is recomputed (megatron's recompute_modules): core_attn | mlp | layernorm
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    recompute_num_layers: int = 1  # full: layers per recomputed block (uniform method)
+    # communication overlap (docs/gpu_speed.md): DP gradient reduce per bucket during the backward;
+    # with the distributed optimizer, the parameter all-gather per bucket during the next forward
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    # interleaved pipeline (pp > 1, vp > 1; a no-op elsewhere): sends/receives left in flight
+    # during compute (batch_p2p_comm off)
+    overlap_p2p_comm: bool = False
+    # GPU: TP/SP collectives split and hidden behind the GEMMs by TE userbuffers (with tp > 1:
+    # needs parallel.sp, TE and fixed sequence shapes; a no-op at tp = 1)
+    tp_comm_overlap: bool = False
+
+
+@dataclass
+class PerfConfig:
+    """Kernel fusions, gradient-reduce dtype, garbage collection, CUDA graphs (docs/gpu_speed.md)."""
+
+    bias_activation_fusion: bool = True  # one SwiGLU kernel (megatron's on GPU, ftcore's on CPU)
+    gradient_accumulation_fusion: bool = False  # GPU (TE): wgrad GEMMs accumulate into main_grad
+    grad_reduce_dtype: str = "fp32"  # fp32 | bf16: dtype of the grad buffers and DP reduction
+    manual_gc: bool = False  # Python GC off, a collection every manual_gc_interval steps instead
+    manual_gc_interval: int = 0  # steps between collections; 0 = one at the start only
+    cuda_graphs: str = "none"  # none | transformer_engine (GPU, fixed shapes)
+    cuda_graph_scope: list[str] = field(default_factory=lambda: ["mlp"])  # attn | mlp
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    global_batch_size: int = 16
+    micro_batch_size: int = 2
+    grad_clip: float = 1.0
+    skip_bad_steps: int = 0  # NaN/Inf steps skipped (not applied) before the run stops
+    # passes over the training rows; when set, max_steps = ceil(epochs * rows / global_batch_size)
+    # (a preset's max_steps yields to it; both on the command line is refused)
+    epochs: Optional[float] = None
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adam | adamw
+    lr: float = 3e-4
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+
+
+@dataclass
+class SchedConfig:
+    name: str = "cosine"  # cosine | linear | constant
+    warmup_steps: int = 10
+    min_lr: float = 0.0
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 0  # steps; 0 = off
+    iters: int = 4  # validation batches (of train.global_batch_size) per evaluation
+    output: Optional[str] = None  # ftcore.eval's JSON; default <run.dir>/eval.json
+    accuracy: bool = False  # exact-match accuracy for instruction data
+    max_samples: Optional[int] = None
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # steps; 0 = off
+    keep: int = 2
+    resume: str = "auto"  # auto | never | PATH
+    save_at_end: bool = True
+    # GPU only: write in the background, publish when done (CPU: synchronous)
+    async_save: bool = True
+    verify: bool = True  # checksums of every file: written at save, checked before a load
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "disabled"  # disabled | offline | online
+    project: str = "ftcore"
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    log_interval: int = 1
+    progress: str = "auto"  # auto | bar | lines
+
+
+@dataclass
+class PeftConfig:
+    name: str = "none"  # none | lora | qlora
+    r: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["linear_qkv"])
+    use_rslora: bool = False
+    adapter_path: Optional[str] = None
+    double_quant: bool = True  # qlora: quantise the NF4 absmax constants too
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"
+    params_dtype: str = "fp32"  # fp32 | bf16: compute and parameter dtype of the base
+    fp8_recipe: Optional[str] = None  # delayed | tensorwise | blockwise | mxfp8
+    fp4_recipe: Optional[str] = None  # nvfp4
+    # e4m3 | hybrid (E5M2 grads); default per recipe (ftcore.precision.recipes)
+    fp8_format: Optional[str] = None
+    te_layers: bool = True  # GPU: Transformer Engine layers when installed (FP8/FP4 need them)
+    first_last_bf16_layers: int = 0  # keep this many layers at each end in BF16
+    fp8_param_gather: bool = False
+    fp8_attention: bool = False  # FP8 for the attention core (dot product attention)
+    fp8_amax_history_len: int = 1024
+    fp8_amax_compute_algo: str = "max"
+    fp8_margin: int = 0
+
+
+@dataclass
+class DataMixEntry:
+    path: str = MISSING
+    weight: float = 1.0
+    format: Optional[str] = None
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = None  # JSONL/JSON/Parquet file or directory; default: the bundled sample
+    format: str = "instruction"  # instruction | chat | text
+    seq_len: int = 256
+    packing: bool = False
+    # unpacked: cut each micro-batch to its longest row (same loss, less padding compute)
+    trim_padding: bool = True
+    truncate: str = "right"  # right | drop
+    on_bad_record: str = "error"  # error | skip
+    chat_template: Optional[str] = None  # llama3 | chatml | PATH; default: the tokenizer's own
+    train_on_prompt: bool = False
+    val_path: Optional[str] = None
+    val_fraction: float = 0.0
+    cache_dir: Optional[str] = None  # default ~/.cache/ftcore/data
+    tokenize_workers: int = 0  # processes building the cache; 0 = every CPU for data >= 32 MB
+    mix: list[DataMixEntry] = field(default_factory=list)
+    max_samples: Optional[int] = None
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local_cpu"
+    num_gpus: Optional[int] = None  # total devices; null = the processes launched
+    gpus_per_node: int = 1
+    gpu_mem_gib: float = 24.0
+    device: str = "cpu"  # cpu | cuda
+    compute_capability: Optional[float] = None  # 9.0 (H100/H200), 10.0 (B200/GB200), 10.3 (GB300)
+    # dense per precision: bf16, fp8, fp4
+    peak_tflops: dict[str, float] = field(default_factory=dict)
+    hbm_gbps: float = 100.0  # memory bandwidth, GB/s: elementwise kernels, optimizer (planner)
+    nvlink_domain: int = 1  # GPUs per NVLink domain
+    # GB/s per GPU, one direction; null: the calibration's (local_cpu: gloo's fitted rate)
+    nvlink_gbps: Optional[float] = None
+    network_gbps: float = 0.0  # GB/s per GPU across nodes
+    host_probe: bool = False  # CPU only: measure peak_tflops and hbm_gbps here (planner/host.py)
+    # The planner's fitted constants: null takes those of cluster.name in
+    # ftcore/planner/calibration.py (which says what they were fitted to); a value replaces them.
+    matmul_efficiency: Optional[float] = None  # achievable fraction of peak on large GEMMs
+    attention_efficiency: Optional[float] = None  # flash attention, fraction of the bf16 peak
+    step_overhead_s: Optional[float] = None  # fixed per-step cost (launch, Python)
+    layer_overhead_s: Optional[float] = None  # fixed cost per layer and micro-batch (host)
+    sp_layer_overhead_s: Optional[float] = None  # what sequence parallelism adds to it (host)
+    reserve_gib: Optional[float] = None  # framework / allocator reserve per GPU
+
+
+@dataclass
+class GpuConfig:
+    # Transformer Engine must be present on a CUDA machine: its absence fails the run's hardware
+    # check and the GPU tests (instead of falling back to megatron's local layers / NOT RUN).
+    # Default: the environment variable FTCORE_GPU_REQUIRE_TE (ftcore's Dockerfile sets it to 1).
+    require_te: bool = "${oc.decode:${oc.env:FTCORE_GPU_REQUIRE_TE,false}}"  # type: ignore[assignment]
+
+
+@dataclass
+class PlanConfig:
+    format: str = "table"  # table | json
+    search: bool = False
+    enforce: bool = True
+    top: int = 10
+    # share of token positions that are loss targets; logits and the last layer's MLP run only
+    # there (models/target_logits.py). 1.0 (every position) bounds memory and time from above.
+    target_fraction: float = 1.0
+    # build each distinct pipeline stage on the meta device (one CPU process, a fake process group
+    # of the job's world) and check it against the planner: `dry_build` in the plan, exit 2 when a
+    # tensor is off the device or a count differs (ftcore/planner/dry_build.py)
+    dry_build: bool = False
+
+
+@dataclass
+class ExportConfig:
+    checkpoint: Optional[str] = None
+    output: Optional[str] = None
+    merge: bool = False
+    dtype: Optional[str] = None  # output dtype; default the checkpoint's
+    max_shard_gb: float = 5.0  # size of each safetensors file of hf_model/
+    overwrite: bool = False  # replace an existing export.output (refused otherwise)
+
+
+@dataclass
+class GenerateConfig:
+    prompt: Optional[str] = None
+    # the prompt read from this file ("-": standard input), for text Hydra's parser cannot take
+    prompt_file: Optional[str] = None
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0  # nucleus sampling, in (0, 1]; 1.0 = off
+
+
+@dataclass
+class BenchConfig:
+    name: str = "none"
+    warmup_steps: int = 2
+    measure_steps: int = 5
+    runs: list[Any] = field(default_factory=list)  # each: a list of Hydra overrides or a dict
+    kind: str = "layouts"  # layouts (fixed steps per config) | cpu_vs_hf (one epoch, vs HF Trainer)
+    base: list[str] = field(default_factory=list)  # overrides every run starts from
+    sweep: dict[str, Any] = field(default_factory=dict)  # key -> values: their product, after runs
+    threads: Optional[int] = None  # torch threads per process on CPU (both sides of cpu_vs_hf)
+    timeout_min: float = 30.0  # per configuration; a run past it is recorded as failed
+    output_dir: Optional[str] = None  # default outputs/bench/<name>
+    hf: dict[str, Any] = field(default_factory=dict)  # cpu_vs_hf: the HF model shape and batch size
+    repeats: int = 1  # cpu_vs_hf: rounds of (HF, then each ftcore run); ratios within a round
+    overhead: dict[str, Any] = field(default_factory=dict)  # host_overhead: depths, rows, shape
+    turns: int = 0  # cpu_vs_hf: > 0 runs a round's processes side by side, taking turns in this many slices of each epoch
+    models: list[Any] = field(default_factory=list)  # cpu_vs_hf: {label, shape} each, over hf.shape
+    loss_tolerance: float = 0.02  # cpu_vs_hf: a pair whose eval losses differ more is refused
+    gemm_size: int = 2048  # cpu_vs_hf: the square fp32 matmul whose rate efficiency is against
+    publish: Optional[str] = None  # hardware name: also write docs/bench/<name>_<hw>_<date>.*
+
+
+@dataclass
+class FtcoreConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
