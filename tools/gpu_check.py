@@ -120,23 +120,34 @@ def run_tests(junit: Path, seconds: float, per_test: int, workers: int):
     except metadata.PackageNotFoundError:
         pass
     rc, text = timed_run(cmd, seconds, WORK / "pytest.log")
-    rows = []
-    if junit.exists():
-        for case in ET.parse(junit).getroot().iter("testcase"):
-            name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
-            outcome, reason = "passed", ""
-            for tag in ("failure", "error", "skipped"):
-                el = case.find(tag)
-                if el is not None:
-                    outcome = {"skipped": "NOT RUN"}.get(tag, "FAILED")
-                    reason = (
-                        (el.get("message") or "").splitlines()[0][:200] if el.get("message") else ""
-                    )
-            rows.append((name, outcome, reason))
+    rows, facts = parse_junit(junit)
     last = (text.strip().splitlines() or ["(no output)"])[-1]
     if rc == 124:
         last = f"killed at the time budget ({seconds:.0f} s); {last}"
-    return rows, last
+    return rows, last, facts
+
+
+def parse_junit(junit: Path):
+    """[(test, outcome, reason)] and {test: {name: value}} of what the tests recorded with
+    pytest's record_property (e.g. the host syncs per step and place of test_host_sync)."""
+    rows, facts = [], {}
+    if not junit.exists():
+        return rows, facts
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
+        outcome, reason = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome = {"skipped": "NOT RUN"}.get(tag, "FAILED")
+                reason = (
+                    (el.get("message") or "").splitlines()[0][:200] if el.get("message") else ""
+                )
+        rows.append((name, outcome, reason))
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        if props:
+            facts[name] = props
+    return rows, facts
 
 
 def throughput(seconds: float, overrides: list[str]) -> dict:
@@ -195,7 +206,7 @@ def versions() -> dict[str, str]:
             "peft": ver("peft"), "bitsandbytes": ver("bitsandbytes")}  # fmt: skip
 
 
-def report(gpu: str, installed, rows, last, tput, vers, commit=None) -> str:
+def report(gpu: str, installed, rows, last, tput, vers, commit=None, facts=None) -> str:
     today = datetime.date.today().isoformat()
     commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                       capture_output=True, text=True).stdout.strip() or "?"  # fmt: skip
@@ -205,6 +216,15 @@ def report(gpu: str, installed, rows, last, tput, vers, commit=None) -> str:
     lines += ["", f"## GPU tests (`pytest -m gpu tests/gpu`): {last}", "", "| test | result | why |",
               "|---|---|---|"]  # fmt: skip
     lines += [f"| {n} | {o} | {r.replace('|', '/')} |" for n, o, r in rows]
+    if facts:
+        lines += [
+            "",
+            "What the tests recorded (per step: host syncs by the place that made them):",
+            "",
+        ]
+        lines += [
+            f"- {n}: {k} = {v}" for n, props in sorted(facts.items()) for k, v in props.items()
+        ]
     pred, meas = tput.get("predicted"), tput.get("measured")
     lines += [
         "",
@@ -248,13 +268,14 @@ def main() -> int:
     start = time.monotonic()
     installed = install(Path(args.wheels))
     log(f"installed offline: {', '.join(installed) or 'nothing'}; GPU tests next")
-    rows, last = run_tests(WORK / "junit.xml", 0.7 * args.budget, args.test_timeout, args.workers)
+    rows, last, facts = run_tests(WORK / "junit.xml", 0.7 * args.budget, args.test_timeout,
+                                  args.workers)  # fmt: skip
     log(f"GPU tests: {last}; throughput run next")
     gpu = torch.cuda.get_device_name(0)
     overrides = [*TPUT, *cluster_of(gpu)]
     tput = throughput(args.budget - (time.monotonic() - start), overrides)
     tput["profile"] = profile(args.budget - (time.monotonic() - start), overrides)
-    text = report(gpu, installed, rows, last, tput, versions(), args.commit)
+    text = report(gpu, installed, rows, last, tput, versions(), args.commit, facts)
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
     out = Path(args.out) / f"{datetime.date.today().isoformat()}-{slug}.md"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -103,3 +103,29 @@ def test_a_step_past_the_budget_is_killed_and_its_log_kept(tmp_path):
     rc, text = gc.timed_run(cmd, 3, tmp_path / "x.log")
     assert rc == 124 and text.startswith("started") and "killed after 3 s" in text
     assert gc.profile(10, ["+exp=tiny_lora"]) == ["not run: 10 s of --budget left"]
+
+
+def test_report_carries_what_the_tests_recorded(tmp_path):
+    """The junit file of a real pytest run (pytest's own writer): outcomes per test, and what a
+    test recorded with record_property (test_host_sync's syncs per step) into the report."""
+    (tmp_path / "test_x.py").write_text(
+        "import json, pytest\n"
+        "def test_records(record_property):\n"
+        "    record_property('host_syncs_per_step_2_micro_batches', json.dumps({'a.py:f': 1.0}))\n"
+        "def test_skips():\n"
+        "    pytest.skip('NOT RUN: needs 2 GPUs')\n"
+    )  # fmt: skip
+    junit = tmp_path / "junit.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                    "no:xdist", f"--junitxml={junit}", "test_x.py"], cwd=tmp_path,
+                   capture_output=True, timeout=120)  # fmt: skip
+    gc = _gpu_check()
+    rows, facts = gc.parse_junit(junit)
+    assert [(n, o) for n, o, _ in rows] == [("test_x::test_records", "passed"),
+                                            ("test_x::test_skips", "NOT RUN")]  # fmt: skip
+    assert facts == {"test_x::test_records":
+                     {"host_syncs_per_step_2_micro_batches": '{"a.py:f": 1.0}'}}  # fmt: skip
+    tput = {"overrides": "+exp=x", "rc": 1, "error": "no metrics"}
+    vers = {"transformer-engine": "1.0"}
+    text = gc.report("GPU", [], rows, "1 passed", tput, vers, "abc", facts)
+    assert '- test_x::test_records: host_syncs_per_step_2_micro_batches = {"a.py:f": 1.0}' in text
