@@ -249,6 +249,13 @@ def report(gpu: str, installed, rows, last, tput, vers, commit=None, facts=None)
     return "\n".join(lines) + "\n"
 
 
+def report_path(folder: Path, day: str, gpu: str) -> Path:
+    """<day>-<gpu>.md, or -2, -3, ... after it: a second run on the same day keeps the first's."""
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    names = (f"{day}-{slug}{'' if k == 1 else f'-{k}'}.md" for k in range(1, 1000))
+    return next(folder / n for n in names if not (folder / n).exists())
+
+
 def main() -> int:
     global WORK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -276,8 +283,7 @@ def main() -> int:
     tput = throughput(args.budget - (time.monotonic() - start), overrides)
     tput["profile"] = profile(args.budget - (time.monotonic() - start), overrides)
     text = report(gpu, installed, rows, last, tput, versions(), args.commit, facts)
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
-    out = Path(args.out) / f"{datetime.date.today().isoformat()}-{slug}.md"
+    out = report_path(Path(args.out), datetime.date.today().isoformat(), gpu)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text)

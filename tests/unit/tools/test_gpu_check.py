@@ -129,3 +129,13 @@ def test_report_carries_what_the_tests_recorded(tmp_path):
     vers = {"transformer-engine": "1.0"}
     text = gc.report("GPU", [], rows, "1 passed", tput, vers, "abc", facts)
     assert '- test_x::test_records: host_syncs_per_step_2_micro_batches = {"a.py:f": 1.0}' in text
+
+
+def test_a_second_report_of_the_day_keeps_the_first(tmp_path):
+    gc = _gpu_check()
+    first = gc.report_path(tmp_path, "2026-11-26", "NVIDIA H200")
+    assert first.name == "2026-11-26-nvidia-h200.md"
+    first.write_text("run 1")
+    assert (
+        gc.report_path(tmp_path, "2026-11-26", "NVIDIA H200").name == "2026-11-26-nvidia-h200-2.md"
+    )
