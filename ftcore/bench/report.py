@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ftcore.bench.overhead import overhead_md
 from ftcore.bench.report_vs_hf import cpu_vs_hf_md, plot_vs_hf
+from ftcore.errors import FtcoreError
 
 FIT = {True: "held out", False: "fitted"}
 SPLIT = ("data", "fwd_bwd", "grad_sync", "pp_p2p", "optimizer", "other")
@@ -227,6 +228,20 @@ def published_stem(lines: list[dict], hardware: str) -> str:
     return f"{lines[0]['bench']}_{hardware}_{date}"
 
 
+def free_stem(docs_dir: Path, stem: str, invocation) -> str:
+    """stem, or stem-2, -3, ... where a report of another invocation already has the name: a
+    second run of the same bench on the same day and machine is a record of its own."""
+    for k in range(1, 1000):
+        name = stem if k == 1 else f"{stem}-{k}"
+        raw = docs_dir / f"{name}.jsonl"
+        if not raw.exists():
+            return name
+        first = raw.read_text().split("\n", 1)[0]
+        if first and json.loads(first).get("invocation") == invocation:
+            return name  # the same invocation published again: its own files
+    raise FtcoreError(f"{docs_dir}: too many {stem} reports", field="bench.publish", fix="tidy it")
+
+
 def publish(out_dir: Path, docs_dir: Path, hardware: str) -> list[Path]:
     """Copy the latest invocation's bench.md, bench.png and its raw JSONL lines (each carries the
     command, commit, machine and package versions) to docs_dir/<bench>_<hardware>_<date>.*;
@@ -234,7 +249,7 @@ def publish(out_dir: Path, docs_dir: Path, hardware: str) -> list[Path]:
     lines = latest(read_lines(out_dir / "bench.jsonl"))
     if not lines:
         return []
-    stem = published_stem(lines, hardware)
+    stem = free_stem(docs_dir, published_stem(lines, hardware), lines[0].get("invocation"))
     docs_dir.mkdir(parents=True, exist_ok=True)
     md = (out_dir / "bench.md").read_text()
     md += f"\n![{lines[0]['bench']}]({stem}.png)\n\nRaw lines: [{stem}.jsonl]({stem}.jsonl).\n"

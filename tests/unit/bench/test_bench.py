@@ -237,3 +237,13 @@ def test_cpu_vs_hf_report_leaves_refused_pairs_out_of_the_medians(tmp_path):
     assert "from the end of optimizer step 10" in text and "2048² fp32 on 2 threads: 20" in text
     assert png.read_bytes().startswith(PNG)
     assert report.published_stem(lines, "xeon2core") == "b_xeon2core_2026-11-26"
+
+
+def test_a_second_invocation_on_the_same_day_gets_its_own_report(tmp_path):
+    """publish names reports <bench>_<hw>_<date>; another invocation that day must not overwrite
+    the first (a dated record), the same invocation published again keeps its name."""
+    stem = "host_overhead_hw_2026-11-26"
+    assert report.free_stem(tmp_path, stem, "20261126-022221") == stem
+    (tmp_path / f"{stem}.jsonl").write_text(json.dumps({"invocation": "20261126-022221"}) + "\n")
+    assert report.free_stem(tmp_path, stem, "20261126-022221") == stem
+    assert report.free_stem(tmp_path, stem, "20261126-091500") == f"{stem}-2"
