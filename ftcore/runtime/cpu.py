@@ -271,9 +271,12 @@ def no_dynamo_step(optimizer) -> None:
             continue
         hooks = (torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks,
                  inner._optimizer_step_pre_hooks, inner._optimizer_step_post_hooks)  # fmt: skip
-        raw = getattr(getattr(type(inner).step, "__wrapped__", None), "__wrapped__", None)
-        if raw is None or any(hooks):
+        use_grad = getattr(type(inner).step, "__wrapped__", None)  # under the profile wrapper
+        raw = getattr(use_grad, "__wrapped__", None)
+        if getattr(use_grad, "__code__", None) is None or raw is None or any(hooks):
             continue
+        if use_grad.__code__.co_name != "_use_grad":
+            continue  # another torch's wrapping: left as it is
         inner.step = _plain_step(inner, raw)
 
 
