@@ -21,6 +21,19 @@ def tokenizer_source(cfg) -> tuple[str, str]:
     return str(bundled_tokenizer_dir()), "model.tokenizer"
 
 
+def from_directory(path) -> object:
+    """AutoTokenizer.from_pretrained(path), except for the bundled tokenizer: a
+    PreTrainedTokenizerFast by its tokenizer_config.json, built as that class directly (the same
+    object: tests/unit/data/test_tokenizer.py). AutoTokenizer first indexes every model package of
+    transformers to resolve a class name (~1.3 s of CPU), in every process that loads one."""
+    import transformers
+
+    p = Path(path).expanduser()
+    if p.resolve() == bundled_tokenizer_dir().resolve():
+        return transformers.PreTrainedTokenizerFast.from_pretrained(str(p))
+    return transformers.AutoTokenizer.from_pretrained(str(p))
+
+
 def load_tokenizer(cfg):
     """A transformers tokenizer with a pad token (the eos token when the tokenizer has none)."""
     path, field = tokenizer_source(cfg)
@@ -31,10 +44,8 @@ def load_tokenizer(cfg):
             field=field,
             fix="point it at a local Hugging Face directory holding tokenizer.json / tokenizer_config.json",
         )
-    from transformers import AutoTokenizer
-
     try:
-        tok = AutoTokenizer.from_pretrained(str(p))
+        tok = from_directory(p)
     except Exception as e:  # transformers raises many types (OSError, ValueError, JSON errors)
         raise FtcoreError(
             f"cannot load a tokenizer from {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",

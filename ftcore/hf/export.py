@@ -77,9 +77,9 @@ def write_metadata(out: Path, model_cfg, dtype: torch.dtype, tokenizer_dir: str 
     """config.json, the tokenizer (with its chat template) and the source's generation config."""
     tok = None
     if tokenizer_dir:
-        from transformers import AutoTokenizer
+        from ftcore.data.tokenizer import from_directory
 
-        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tok = from_directory(tokenizer_dir)
         tok.save_pretrained(str(out))
     cfg = hf_config_dict(model_cfg, dtype=DTYPE_JSON[dtype], tokenizer=tok)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

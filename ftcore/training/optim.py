@@ -45,6 +45,7 @@ def build_optimizer(cfg: DictConfig, model: list, *, gloo_groups: bool = True):
         optimizer = get_megatron_optimizer(config, model, use_gloo_process_groups=gloo_groups)
     if cpu.is_active():
         cpu.fused_adam(optimizer)
+        cpu.no_dynamo_step(optimizer)
         optimizer.ftcore_grad_buffers = grad_buffers(model, optimizer)
     return optimizer
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -124,10 +125,18 @@ def _damage(path: Path, how: str) -> None:
         path.write_bytes(data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :])
 
 
+@pytest.fixture(scope="module")
+def saved(pool2, tmp_path_factory) -> Path:
+    """One TP=2 run directory with step_1 saved; each test damages its own copy."""
+    run_dir = tmp_path_factory.mktemp("saved")
+    pool2.run(save_case, str(run_dir))
+    return run_dir
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("how", ["truncate", "flip"])
-def test_corrupt_file_is_named(pool2, tmp_path, how):
-    pool2.run(save_case, str(tmp_path))
+def test_corrupt_file_is_named(pool2, saved, tmp_path, how):
+    shutil.copytree(saved, tmp_path, dirs_exist_ok=True)
     step = tmp_path / "checkpoints" / "step_1"
     victims = sorted(step.glob("*.distcp"), key=lambda p: p.stat().st_size)
     victim = victims[-1]
@@ -138,9 +147,9 @@ def test_corrupt_file_is_named(pool2, tmp_path, how):
 
 
 @pytest.mark.dist
-def test_missing_manifest_is_refused(pool2, tmp_path):
+def test_missing_manifest_is_refused(pool2, saved, tmp_path):
     """A published directory without its manifest never loads as if it were whole."""
-    pool2.run(save_case, str(tmp_path))
+    shutil.copytree(saved, tmp_path, dirs_exist_ok=True)
     os.remove(tmp_path / "checkpoints" / "step_1" / "manifest.json")
     for m in pool2.run(load_case, str(tmp_path)):
         assert "manifest.json is missing" in m, m

@@ -6,6 +6,9 @@ The uninterrupted run trains 4 steps; the interrupted one trains 2, saves, is bu
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -40,9 +43,28 @@ def second_half(overrides: list[str], run_dir: str, steps: int) -> dict:
     }
 
 
-def _run(pool, tmp_path, before: list[str], after: list[str]) -> tuple[dict, dict]:
-    ref = pool.run(uninterrupted, before, str(tmp_path / "ref"), 4)
-    pool.run(first_half, before, str(tmp_path / "run"), 2)
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """The uninterrupted run and the checkpoint after the first half, per layout: several tests
+    start from the same one (tp2, pp2, tp2 with the distributed optimizer), so each pair runs
+    once here. Each test resumes from its own copy of the run directory."""
+    done: dict[tuple[str, ...], tuple[list, Path]] = {}
+
+    def get(pool, before: list[str]) -> tuple[list, Path]:
+        key = tuple(before)
+        if key not in done:
+            d = tmp_path_factory.mktemp("started")
+            ref = pool.run(uninterrupted, before, str(d / "ref"), 4)
+            pool.run(first_half, before, str(d / "run"), 2)
+            done[key] = (ref, d / "run")
+        return done[key]
+
+    return get
+
+
+def _run(pool, started, tmp_path, before: list[str], after: list[str]) -> tuple[dict, dict]:
+    ref, first = started(pool, before)
+    shutil.copytree(first, tmp_path / "run")
     got = pool.run(second_half, after, str(tmp_path / "run"), 2)
     assert all(g["start"] == 2 for g in got)
     ref_w, got_w = merge_weights(ref), merge_weights(got)
@@ -61,8 +83,8 @@ def _run(pool, tmp_path, before: list[str], after: list[str]) -> tuple[dict, dic
     ],
     ids=["tp2", "pp2", "tp2_distopt"],
 )
-def test_resume_is_bitwise(pool2, tmp_path, layout):
-    ref, got = _run(pool2, tmp_path, layout, layout)
+def test_resume_is_bitwise(pool2, started, tmp_path, layout):
+    ref, got = _run(pool2, started, tmp_path, layout, layout)
     assert got["loss"] == ref["loss"]  # exact float equality
     for k, w in ref["weights"].items():
         assert torch.equal(got["weights"][k], w), k
@@ -89,9 +111,9 @@ def _assert_continues(ref: dict, got: dict) -> None:
     [(["parallel.tp=2"], []), (["parallel.pp=2"], [])],
     ids=["tp2_to_tp1", "pp2_to_pp1"],
 )
-def test_reshard_continues(pool2, tmp_path, before, after):
+def test_reshard_continues(pool2, started, tmp_path, before, after):
     """Weights and (model-space) Adam moments reshard; RNG states cannot and are said not to be."""
-    ref, got = _run(pool2, tmp_path, before, after)
+    ref, got = _run(pool2, started, tmp_path, before, after)
     _assert_continues(ref, got)
     assert any("RNG states not restored" in n for n in got["notes"])
 
@@ -112,12 +134,12 @@ LORA = ["peft=lora", "peft.target_modules=[q_proj,v_proj,o_proj,down_proj]"]
     ],
     ids=["tp2_to_dp2", "pp2_to_dp2", "dp2_to_pp2", "lora_tp2_to_dp2", "cp2_to_dp2"],
 )
-def test_distributed_optimizer_reshards(pool2, tmp_path, before, after):
+def test_distributed_optimizer_reshards(pool2, started, tmp_path, before, after):
     """The distributed optimizer's state (Adam moments, fp32 main params) reshards across TP, PP
     and DP: TP=2 (DP=1, every rank holds half of each TP-split tensor's state) resumed at
     TP=1 x DP=2 (each rank holds half of the flat buffer) continues with the uninterrupted losses.
     CP=2 (DP=1: the state is sharded over dp x cp = 2) resumes at CP=1 x DP=2."""
-    ref, got = _run(pool2, tmp_path, [*before, DIST_OPT], [*after, DIST_OPT])
+    ref, got = _run(pool2, started, tmp_path, [*before, DIST_OPT], [*after, DIST_OPT])
     _assert_continues(ref, got)
     assert not any("optimizer state not restored" in n for n in got["notes"]), got["notes"]
 
@@ -136,12 +158,12 @@ def old_format_first_half(overrides: list[str], run_dir: str, steps: int) -> Non
 
 
 @pytest.mark.dist
-def test_old_dp_reshardable_checkpoint(pool2, tmp_path):
+def test_old_dp_reshardable_checkpoint(pool2, started, tmp_path):
     """A checkpoint in the older dp_reshardable format still loads whole at its own layout (and
     the run continues bit for bit); at another TP/PP the weights load and a warning says the
     moments restart."""
     tp2 = ["parallel.tp=2", DIST_OPT]
-    ref = pool2.run(uninterrupted, tp2, str(tmp_path / "ref"), 4)
+    ref, _ = started(pool2, tp2)  # its uninterrupted run (it saves nothing: any format)
     pool2.run(old_format_first_half, tp2, str(tmp_path / "run"), 2)
     same = pool2.run(second_half, tp2, str(tmp_path / "run"), 2)
     assert same[0]["loss"] == ref[0]["loss"][2:] and same[0]["notes"] == []

@@ -87,3 +87,23 @@ def test_load_tokenizer_choices(tmp_path: Path):
     AutoTokenizer.from_pretrained(str(bundled_tokenizer_dir())).save_pretrained(tmp_path / "tk")
     cfg = compose([f"model.hf_path={tmp_path / 'nope'}", f"model.tokenizer={tmp_path / 'tk'}"])
     assert len(load_tokenizer(cfg)) == 2048  # model.tokenizer wins over model.hf_path
+
+
+def test_bundled_loads_as_autotokenizer_does(tok, tmp_path: Path):
+    """from_directory builds the bundled tokenizer as its config's class without AutoTokenizer's
+    index of transformers' model packages: the same tokenizer AutoTokenizer gives (the oracle);
+    any other directory still goes through AutoTokenizer."""
+    from ftcore.data.tokenizer import from_directory
+
+    mine = from_directory(bundled_tokenizer_dir())
+    assert type(mine) is type(tok) and mine.init_kwargs == tok.init_kwargs
+    assert mine.get_vocab() == tok.get_vocab() and mine.special_tokens_map == tok.special_tokens_map
+    assert mine.chat_template == tok.chat_template and mine.pad_token_id == tok.pad_token_id
+    msgs = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]
+    assert mine.apply_chat_template(msgs) == tok.apply_chat_template(msgs)
+    for text in ("Reverse the letters.\n\nbanana 123", " héllo <|eot_id|>  x", ""):
+        assert mine(text)["input_ids"] == tok(text)["input_ids"], text
+    tok.save_pretrained(tmp_path / "tk")
+    config = tmp_path / "tk" / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("<|eot_id|>", "<|end_of_text|>"))
+    assert from_directory(tmp_path / "tk").eos_token == "<|end_of_text|>"  # read, not assumed

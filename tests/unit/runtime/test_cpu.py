@@ -1,6 +1,7 @@
 """The CPU runtime's lone-collective skip: over a group of one process, synchronous all-reduces and
 broadcasts must not reach gloo (each costs 50-100 us there and leaves the tensor as it was), while
-asynchronous ones still do, because their callers wait on the handle."""
+asynchronous ones still do, because their callers wait on the handle. Its optimizer step without
+torch's dynamo-importing wrapper takes the wrapper's exact step."""
 
 from __future__ import annotations
 
@@ -41,3 +42,39 @@ def test_lone_collectives_skip_gloo_but_keep_async_handles(tmp_path):
     finally:
         if owned:
             dist.destroy_process_group()
+
+
+def test_no_dynamo_step_takes_the_same_step():
+    """cpu.no_dynamo_step gives torch's AdamW (fused, as on the CPU runtime) a step without the
+    wrapper that imports torch._dynamo: bit for bit the wrapper's update, grad mode off inside as
+    there; an optimizer with a step hook keeps the wrapper (the hook still runs)."""
+    from types import SimpleNamespace
+
+    from ftcore.runtime import cpu
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(33, 7)) for _ in range(3)]
+    grads = [torch.randn_like(p) for p in params]
+
+    def steps(plain, hook=None):
+        ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        opt = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True)
+        if hook:
+            opt.register_step_post_hook(hook)
+        if plain:
+            cpu.no_dynamo_step(SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=opt)]))
+            assert ("step" in vars(opt)) == (hook is None)
+        for _ in range(3):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            with torch.enable_grad():
+                opt.step()
+        return ps, opt
+
+    (mine, opt), (ref, _) = steps(True), steps(False)
+    for a, b in zip(mine, ref):
+        assert torch.equal(a, b)
+    assert opt.state[mine[0]]["step"].item() == 3
+    calls = []
+    steps(True, hook=lambda *a: calls.append(1))
+    assert len(calls) == 3
