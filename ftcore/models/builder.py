@@ -141,7 +141,9 @@ def wrap_ddp(cfg: DictConfig, chunks: list[GPTModel]):
                     disable_bucketing=i > 0,
                 )
             )
-    if not ddp_config.overlap_grad_reduce:  # DDP's hook only adds into main_grad: peft/fused.py may
+    # with overlap off DDP's gradient hook only adds .grad into main_grad: peft/fused.py may do
+    # that add itself and skip the hook
+    if not ddp_config.overlap_grad_reduce:
         for chunk in wrapped:
             for param in chunk.module.parameters():
                 if param.requires_grad:
