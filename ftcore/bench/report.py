@@ -236,8 +236,8 @@ def free_stem(docs_dir: Path, stem: str, invocation) -> str:
         raw = docs_dir / f"{name}.jsonl"
         if not raw.exists():
             return name
-        first = raw.read_text().split("\n", 1)[0]
-        if first and json.loads(first).get("invocation") == invocation:
+        published = read_lines(raw)
+        if published and published[0].get("invocation") == invocation:
             return name  # the same invocation published again: its own files
     raise FtcoreError(f"{docs_dir}: too many {stem} reports", field="bench.publish", fix="tidy it")
 
