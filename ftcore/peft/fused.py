@@ -10,8 +10,10 @@ order, so results agree to rounding (tests/unit/peft/test_fused.py).
 
 Slices that are one contiguous run of the fused output (gate/up, a row-parallel output) take one
 addmm each. linear_qkv interleaves q, k and v per query group, so there the slices' B matrices are
-laid into one [out, r * slices] matrix (zeros elsewhere) and one GEMM serves them all: a few
-wasted multiplies by zero in r-wide GEMMs instead of a GEMM per group and slice.
+laid into one [out, r * slices] matrix (zeros elsewhere) and one forward GEMM serves them all: a
+few wasted multiplies by zero in an r-wide GEMM instead of a GEMM per group and slice. Backward
+gathers each slice's gradient columns once instead (its two GEMMs would otherwise run through the
+other slices' zeros too; the bench model's qkv forward and backward, one thread: 13.2 -> 12.7 ms).
 """
 
 from __future__ import annotations
@@ -75,14 +77,12 @@ class _LoraLinear(torch.autograd.Function):
         y = x2 @ weight.t()
         h = x2 @ a.t()  # [tokens, r * A's], unscaled: the scale rides on the GEMMs' alpha
         if lay.dense:
-            b_full = _dense_b(lay, bs, h)
-            y.addmm_(h, b_full.t(), alpha=scale)
+            y.addmm_(h, _dense_b(lay, bs, h).t(), alpha=scale)
         else:
-            b_full = None
             for (c0, c1), (r0, r1), b in zip(lay.a_cols, lay.runs, bs):
                 y[:, r0:r1].addmm_(h[:, c0:c1], b.t(), alpha=scale)
         ctx.save_for_backward(x2, weight, a, h, *bs)
-        ctx.b_full, ctx.lay, ctx.scale, ctx.lead = b_full, lay, scale, x.shape[:-1]
+        ctx.lay, ctx.scale, ctx.lead = lay, scale, x.shape[:-1]
         ctx.params, ctx.hidden = params, hidden
         return y.view(*x.shape[:-1], lay.out)
 
@@ -91,17 +91,15 @@ class _LoraLinear(torch.autograd.Function):
         x2, weight, a, h, *bs = ctx.saved_tensors
         lay, s = ctx.lay, ctx.scale
         g = grad.reshape(-1, lay.out)
-        # products without the scale (it rides on the GEMMs' alpha): dh = dy/dh / s
-        if lay.dense:
-            dh = g @ ctx.b_full
-            db_full = g.t() @ h
-            dbs = [db_full[:, c0:c1].index_select(0, rows) for (c0, c1), rows in zip(lay.a_cols, lay.rows)]  # fmt: skip
-        else:
-            dh = h.new_zeros(h.shape)
-            dbs = []
-            for (c0, c1), (r0, r1), b in zip(lay.a_cols, lay.runs, bs):
-                dh[:, c0:c1].addmm_(g[:, r0:r1], b)
-                dbs.append((g[:, r0:r1].t(), h[:, c0:c1]))  # dB = s * this product
+        # products without the scale (it rides on the GEMMs' alpha): dh = dy/dh / s. Each slice's
+        # output gradient is a view of g, or for interleaved rows one copy of its columns: the
+        # dense B's GEMMs would multiply through all slices' zeros (3x the work for q, k, v)
+        dh = h.new_zeros(h.shape)
+        dbs = []
+        for (c0, c1), (r0, r1), rows, b in zip(lay.a_cols, lay.runs, lay.rows, bs):
+            gi = g.index_select(1, rows) if lay.dense else g[:, r0:r1]
+            dh[:, c0:c1].addmm_(gi, b)
+            dbs.append((gi.t(), h[:, c0:c1]))  # dB = s * this product
         dx = None
         if ctx.needs_input_grad[0]:
             dx = g @ weight
