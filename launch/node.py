@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from ftcore.launch import slurm_env
 
@@ -208,24 +209,53 @@ def supervise(procs: list[subprocess.Popen], grace: float) -> int:
     return EXIT_REQUEUE if any(p.returncode == EXIT_REQUEUE for p in procs) else EXIT_OK
 
 
-def finish(status: int, nnodes: int, linger: float) -> int:
+def finish(
+    status: int, nnodes: int, linger: float, exits: Path | None = None, node: int = 0
+) -> int:
     """Return `status`, after lingering when other nodes may still be finishing.
 
     srun --kill-on-bad-exit stops the whole step as soon as one node's task exits non-zero: a node
     that reports 3 (saved, requeue me) or 2 (user error) a moment before the others would get their
     workers killed mid-exit and turn the job's status into 143. Every node lingers instead, so the
     others report the same status in their own time; a crash (any other status) ends at once.
+    With `exits` (a directory every node sees: the run's logs/), each node leaves a file there and
+    the linger ends once every node's is there (the whole linger where that directory is not
+    shared, or its listing lags): nodes that stop together then end together at once.
     """
-    if nnodes > 1 and status in (EXIT_USER_ERROR, EXIT_REQUEUE):
-        end = time.monotonic() + linger
-        while time.monotonic() < end:
-            time.sleep(0.2)
     # The workers are gone: a signal now has nothing to stop. Ignore it rather than let it kill us
     # while Python shuts down (which restores the default handlers, but keeps SIG_IGN), since the
     # nodes that linger together end together and srun's TERM would otherwise turn 2/3 into 143.
     for s in FORWARDED:
         signal.signal(s, signal.SIG_IGN)
+    if nnodes > 1 and status in (EXIT_USER_ERROR, EXIT_REQUEUE):
+        done = _mark_done(exits, node, status)
+        end = time.monotonic() + linger
+        while time.monotonic() < end and not done(nnodes):
+            time.sleep(0.2)
     return status
+
+
+def _mark_done(exits: Path | None, node: int, status: int):
+    """Leave this node's file for this attempt of the job in `exits`/node_exits; return a test of
+    whether `n` nodes have (always False without a usable directory)."""
+    env = os.environ
+    job, restart = env.get("SLURM_JOB_ID", "local"), env.get("SLURM_RESTART_COUNT", "0")
+    attempt = f"{job}.{restart}.{env.get('SLURM_STEP_ID', '0')}"
+    if exits is None or not exits.is_dir():
+        return lambda n: False
+    where = exits / "node_exits"
+    try:
+        where.mkdir(exist_ok=True)
+        (where / f"{attempt}.node{node}").write_text(f"{status}\n")
+    except OSError:
+        return lambda n: False
+    return lambda n: len(list(where.glob(f"{attempt}.node*"))) >= n
+
+
+def exits_dir(overrides: list[str]) -> Path | None:
+    """The run's logs/ (the job script makes it before the step): the last run.dir= given."""
+    dirs = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("run.dir=")]
+    return Path(dirs[-1]) / "logs" if dirs else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,11 +280,14 @@ def main(argv: list[str] | None = None) -> int:
             skip_unused_imports(cfg)
         except FtcoreError as e:
             print(f"ftcore error: {e}", file=sys.stderr, flush=True)
-            nnodes = slurm_env.from_env(env, 1, use_scontrol=False).nnodes
-            return finish(EXIT_USER_ERROR, nnodes, args.linger)
+            at = slurm_env.from_env(env, 1, use_scontrol=False)
+            return finish(
+                EXIT_USER_ERROR, at.nnodes, args.linger, exits_dir(overrides), at.node_rank
+            )
     nproc = resolve_nproc(args.nproc_per_node, cfg, env)
     layout = slurm_env.from_env(env, nproc, use_scontrol=not args.dry_run)
     info = describe(layout, cfg, args.module, overrides)
+    exits = exits_dir(overrides)
     problems = check(layout, cfg) if cfg is not None else []
     if args.dry_run:
         problems += job_problems(layout, cfg, args.module) if cfg is not None else []
@@ -265,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         for p in problems:
             print(f"ftcore error: launch: {p}", file=sys.stderr, flush=True)
-        return finish(EXIT_USER_ERROR, layout.nnodes, args.linger)
+        return finish(EXIT_USER_ERROR, layout.nnodes, args.linger, exits, layout.node_rank)
     if layout.node_rank == 0:
         keys = ("exp", "nnodes", "nproc_per_node", "world_size", "tp", "pp", "cp", "dp")
         summary = " ".join(f"{k}={info[k]}" for k in keys if k in info)
@@ -289,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     status = supervise(procs, args.grace)
     print(f"ftcore.launch: node {layout.node_rank}: workers done, exit {status}", flush=True)
-    return finish(status, layout.nnodes, args.linger)
+    return finish(status, layout.nnodes, args.linger, exits, layout.node_rank)
 
 
 if __name__ == "__main__":

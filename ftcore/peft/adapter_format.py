@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from ftcore.errors import FtcoreError
 from ftcore.hf.io import weights_source
 from ftcore.models.sharding import iter_params, join_shards, shard_info, take_shard
+from ftcore.peft.adapter_config import write_adapter_config
 from ftcore.peft.config import (
     ADAPTER_FILE,
     HF_PARENT,
@@ -108,14 +109,6 @@ def to_peft(full: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], lis
     return sd, sorted(targets, key=order.index)
 
 
-def lora_config(s: LoraSettings, targets: list[str], base: str | None):
-    from peft import LoraConfig  # lazy: the peft package imports transformers (seconds)
-
-    return LoraConfig(r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout,
-                      target_modules=targets, use_rslora=s.rslora, bias="none",
-                      task_type="CAUSAL_LM", base_model_name_or_path=base)  # fmt: skip
-
-
 def with_umask(root: Path) -> None:
     """safetensors writes its files 0600 (a private temporary file, renamed into place): give
     them the mode every other file gets under the user's umask, so a shared run directory stays
@@ -146,7 +139,7 @@ def save_adapter(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(sd, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
-    lora_config(s, targets, base).save_pretrained(str(tmp))
+    write_adapter_config(tmp, s, targets, base)  # PEFT's file, without importing peft
     with_umask(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
