@@ -4,7 +4,8 @@ The peft package imports transformers' model code and accelerate on import (~2.5
 every process that writes an adapter, for one small JSON file). This writes the same file: the
 fields of PEFT 0.21.2's LoraConfig at their defaults, ftcore's settings over them, dumped as PEFT
 dumps them (indent 2, sorted keys). tests/unit/peft/test_adapter_config.py holds it to the
-installed PEFT's own file, key for key: a PEFT release that adds or changes a field fails there.
+installed PEFT's own file, key for key under that release (a change there is the signal to update
+the table), and under any release to reading back as the LoraConfig PEFT builds itself.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from ftcore.peft.adapter_config import write_adapter_config
+from ftcore.peft.adapter_config import PEFT_VERSION, write_adapter_config
 from ftcore.peft.adapter_format import save_adapter, to_peft
 from ftcore.peft.config import CONFIG_FILE, Geometry, LoraSettings
 from tests.support.adapters import full_adapters
@@ -33,9 +33,12 @@ def peft_config(r, alpha, dropout, targets, rslora, base):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c[0]}-{len(c[3])}targets")
 def test_file_equals_peft_save_pretrained(tmp_path, case):
-    """Key for key, value for value, the file PEFT writes (target_modules: PEFT writes a set, in
-    an order that varies by process; ftcore writes the order given), and it reads back into the
-    LoraConfig PEFT builds from the same settings."""
+    """It reads back into the LoraConfig PEFT builds from the same settings, and under the PEFT
+    release the table copies it is, key for key and value for value, the file PEFT writes
+    (target_modules: PEFT writes a set, in an order that varies by process; ftcore writes the
+    order given). Under another PEFT release only the read-back is asked: a release that adds a
+    field reads ours with its default, and CI must not fail on a registry's new release."""
+    import peft
     from peft import LoraConfig
 
     r, alpha, dropout, targets, rslora, base = case
@@ -47,10 +50,11 @@ def test_file_equals_peft_save_pretrained(tmp_path, case):
     oracle.save_pretrained(str(theirs_dir))
     ours = json.loads((ours_dir / CONFIG_FILE).read_text())
     theirs = json.loads((theirs_dir / CONFIG_FILE).read_text())
+    assert LoraConfig.from_pretrained(str(ours_dir)) == oracle
     assert ours.pop("target_modules") == targets
     assert sorted(theirs.pop("target_modules")) == sorted(targets)
-    assert ours == theirs
-    assert LoraConfig.from_pretrained(str(ours_dir)) == oracle
+    if peft.__version__ == PEFT_VERSION:
+        assert ours == theirs
 
 
 def test_peft_loads_the_directory_onto_a_transformers_model(tmp_path):
