@@ -108,15 +108,12 @@ class _LoraLinear(torch.autograd.Function):
         starts = [0, *itertools.accumulate(lay.a_sizes)]
         das = [(dh[:, c0:c1].t(), x2) for c0, c1 in zip(starts, starts[1:])]  # dA = s * this
         if ctx.hidden:
-            for p, d in zip(ctx.params, [*das, *dbs]):
-                if isinstance(d, tuple):
-                    p.main_grad.addmm_(*d, alpha=s)
-                else:
-                    p.main_grad.add_(d, alpha=s)
+            for p, (m1, m2) in zip(ctx.params, [*das, *dbs]):
+                p.main_grad.addmm_(m1, m2, alpha=s)
             return dx, None, None, None, None
         grads = []
-        for p, d in zip(ctx.params, [*das, *dbs]):
-            d = torch.mm(*d) if isinstance(d, tuple) else d
+        for p, (m1, m2) in zip(ctx.params, [*das, *dbs]):
+            d = torch.mm(m1, m2)
             grads.append(_as(d.mul_(s) if s != 1.0 else d, p.dtype))
         return dx, None, None, None, *grads
 
