@@ -169,33 +169,6 @@ def test_contiguous_output_grad_keeps_the_input_gradient():
     torch.testing.assert_close(input_grad(Out(w)), g.contiguous() @ w, rtol=1e-5, atol=1e-6)
 
 
-def test_fused_adam_takes_the_same_step():
-    """cpu.fused_adam switches torch AdamW inside a megatron optimizer to its fused CPU kernel: the
-    same update as the per-tensor loop."""
-    from types import SimpleNamespace
-
-    from ftcore.runtime import cpu
-
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(33, 7)) for _ in range(3)]
-    grads = [torch.randn_like(p) for p in params]
-
-    def steps(fused):
-        ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        opt = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
-        if fused:
-            cpu.fused_adam(SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=opt)]))
-            assert opt.param_groups[0]["fused"]
-        for _ in range(3):
-            for p, g in zip(ps, grads):
-                p.grad = g.clone()
-            opt.step()
-        return ps
-
-    for a, b in zip(steps(True), steps(False)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
 def test_logits_at_targets_only_match_every_position(state, monkeypatch):
     """models/target_logits.py: the last layer's attention output projection, its MLP and the
     output layer at the target positions only (the shapes prove it ran) give the loss and

@@ -1,9 +1,12 @@
 """The CPU runtime's lone-collective skip: over a group of one process, synchronous all-reduces and
 broadcasts must not reach gloo (each costs 50-100 us there and leaves the tensor as it was), while
-asynchronous ones still do, because their callers wait on the handle. Its optimizer step without
-torch's dynamo-importing wrapper takes the wrapper's exact step."""
+asynchronous ones still do, because their callers wait on the handle. Its optimizer changes take
+the step they replace: torch's fused AdamW kernel for the per-tensor loop, and a step without
+torch's dynamo-importing wrapper for the wrapper's."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -44,37 +47,47 @@ def test_lone_collectives_skip_gloo_but_keep_async_handles(tmp_path):
             dist.destroy_process_group()
 
 
+def _adamw_steps(change=None, hook=None, **adamw):
+    """Three AdamW steps over the same parameters and gradients; `change` (a cpu function) first
+    applied to the optimizer as megatron holds it. Returns the parameters and the optimizer."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(33, 7)) for _ in range(3)]
+    grads = [torch.randn_like(p) for p in params]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **adamw)
+    if hook:
+        opt.register_step_post_hook(hook)
+    if change:
+        change(SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=opt)]))
+    for _ in range(3):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        with torch.enable_grad():
+            opt.step()
+    return params, opt
+
+
+def test_fused_adam_takes_the_same_step():
+    """cpu.fused_adam switches torch AdamW inside a megatron optimizer to its fused CPU kernel: the
+    same update as the per-tensor loop."""
+    from ftcore.runtime import cpu
+
+    (mine, opt), (ref, _) = _adamw_steps(cpu.fused_adam), _adamw_steps()
+    assert opt.param_groups[0]["fused"]
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_no_dynamo_step_takes_the_same_step():
     """cpu.no_dynamo_step gives torch's AdamW (fused, as on the CPU runtime) a step without the
     wrapper that imports torch._dynamo: bit for bit the wrapper's update, grad mode off inside as
     there; an optimizer with a step hook keeps the wrapper (the hook still runs)."""
-    from types import SimpleNamespace
-
     from ftcore.runtime import cpu
 
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(33, 7)) for _ in range(3)]
-    grads = [torch.randn_like(p) for p in params]
-
-    def steps(plain, hook=None):
-        ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        opt = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True)
-        if hook:
-            opt.register_step_post_hook(hook)
-        if plain:
-            cpu.no_dynamo_step(SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=opt)]))
-            assert ("step" in vars(opt)) == (hook is None)
-        for _ in range(3):
-            for p, g in zip(ps, grads):
-                p.grad = g.clone()
-            with torch.enable_grad():
-                opt.step()
-        return ps, opt
-
-    (mine, opt), (ref, _) = steps(True), steps(False)
+    (mine, opt), (ref, _) = _adamw_steps(cpu.no_dynamo_step, fused=True), _adamw_steps(fused=True)
+    assert "step" in vars(opt)
     for a, b in zip(mine, ref):
         assert torch.equal(a, b)
     assert opt.state[mine[0]]["step"].item() == 3
     calls = []
-    steps(True, hook=lambda *a: calls.append(1))
-    assert len(calls) == 3
+    _, hooked = _adamw_steps(cpu.no_dynamo_step, hook=lambda *a: calls.append(1), fused=True)
+    assert "step" not in vars(hooked) and len(calls) == 3
