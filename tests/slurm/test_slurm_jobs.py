@@ -36,7 +36,10 @@ def test_two_nodes_usr1_saves_requeues_resumes_and_finishes(jobs):
     """`sbatch --nodes=2 slurm/tiny_cpu.sh`: a gloo rendezvous across the two nodes; USR1 to the
     batch shell mid-run -> stop file -> checkpoint -> exit 3 -> requeue (same job id) -> resume ->
     exit 0 with every planned step exactly once. (One job covers both, to spend one startup less.)"""
-    steps = 12
+    # enough steps that the run cannot finish before USR1 lands: it travels slurmctld -> slurmd ->
+    # the batch shell's trap -> the stop file (~1.5 s seen), while a tiny step takes 0.1-0.25 s
+    # (12 steps finished before it once, on a fast run)
+    steps = 40
     job = jobs.submit("tiny_cpu.sh", *TINY, f"train.max_steps={steps}")
     run_dir = jobs.run_dir("tiny_full", job)
     deadline = time.monotonic() + 600
