@@ -37,9 +37,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def no_leaked_launcher_env():
     """A test (or a module fixture) that runs ftcore's setup inside this process makes it rank 0 of
-    a one-process group, and ftcore.runtime.dist sets RANK, WORLD_SIZE, MASTER_PORT, ... for it. A
-    later subprocess test would inherit them, take itself for a launched rank and try to listen on
-    that port (EADDRINUSE). The pytest process is never a launched rank: every test starts without
+    a one-process group, and ftcore.runtime.dist sets RANK, WORLD_SIZE, ... for it. A later
+    subprocess test would inherit them and take itself for a launched rank waiting for its peers.
+    The pytest process is never a launched rank: every test starts without
     them (the group already made keeps working)."""
     for k in LAUNCHER_ENV:
         os.environ.pop(k, None)

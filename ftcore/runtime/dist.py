@@ -3,7 +3,7 @@
 - under torchrun (RANK/WORLD_SIZE set) or srun (SLURM_PROCID with MASTER_ADDR set): join;
 - alone with `launcher.nproc_per_node > 1`: start that many workers through torch's elastic launch
   API (the same machinery torchrun uses) and wait for them; the first failure stops all;
-- alone with one worker: a one-process group on a free local port.
+- alone with one worker: a one-process group on an in-memory store (no port).
 Then megatron's parallel state (tp, pp, vp, cp; dp is whatever is left).
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -67,12 +66,6 @@ def _env_from_slurm() -> None:
     os.environ.setdefault("MASTER_PORT", "29500")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cpu_threads(local_world: int) -> int:
     """Torch threads per rank: OMP_NUM_THREADS when a launcher set it, else this process's CPUs
     (its affinity, not the machine's count) shared among the ranks of this node."""
@@ -114,7 +107,7 @@ def launch_local_workers(module: str, argv: list[str], nproc: int, cfg=None) -> 
         nproc_per_node=nproc,
         run_id=str(uuid.uuid4()),
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_endpoint="127.0.0.1:0",  # as torchrun --standalone: the store binds, then tells its port
         rdzv_configs={"is_host": True},
         max_restarts=0,
         monitor_interval=0.2,
@@ -158,10 +151,12 @@ def init_distributed(cfg: DictConfig) -> DistInfo:
     the group exists: NCCL's object collectives and barriers use the current device."""
     global _comm_device
     _env_from_slurm()
+    # Alone, the group has no peers to meet: an in-memory store, no port. (A port picked free and
+    # bound later can be taken in between by any other process on the machine: EADDRINUSE.)
+    store = None
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        store = dist.HashStore()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
@@ -181,6 +176,7 @@ def init_distributed(cfg: DictConfig) -> DistInfo:
             backend=GPU_BACKEND if use_cuda else "gloo",
             rank=rank,
             world_size=world,
+            store=store,
             timeout=datetime.timedelta(
                 minutes=int(os.environ.get("FTCORE_DIST_TIMEOUT_MIN", "30"))
             ),

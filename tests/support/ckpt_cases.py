@@ -14,10 +14,10 @@ import torch
 
 from ftcore.checkpoint import store
 from ftcore.models.sharding import iter_params
-from ftcore.runtime.dist import free_port
 from ftcore.training import trainer
 from tests.support.cli import LAUNCHER_ENV
 from tests.support.layouts import build
+from tests.support.rendezvous import host_store, rank_env
 from tests.support.tiny import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,11 +92,11 @@ class Workers:
             self.procs = [subprocess.Popen(argv + ["launcher.nproc_per_node=2"], env=base, cwd=ROOT,
                                            stdout=self.log, stderr=subprocess.STDOUT)]  # fmt: skip
             return
-        port = str(free_port())
+        self.store = host_store(2)  # open until these ranks are gone
         self.procs = []
         for rank in range(2):
             env = dict(base, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
+                       **rank_env(self.store))  # fmt: skip
             self.procs.append(
                 subprocess.Popen(argv, env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
             )

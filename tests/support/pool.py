@@ -12,11 +12,12 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 import traceback
 from pathlib import Path
+
+from tests.support.rendezvous import host_store, rank_env
 
 ROOT = Path(__file__).resolve().parents[2]
 GRACE = 30.0  # seconds the other ranks get once one rank has failed
@@ -31,11 +32,12 @@ def _threads() -> int:
     return len(os.listdir(f"/proc/{os.getpid()}/task")) if os.path.isdir("/proc") else 0
 
 
-def _worker(rank: int, world: int, port: int, conn) -> None:
+def _worker(rank: int, world: int, env: dict, conn) -> None:
     sys.path.insert(0, str(ROOT))
+    os.environ.update(env)  # joins the store the pool hosts (tests/support/rendezvous.py)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FTCORE_LOG_LEVEL="WARNING",
+        FTCORE_LOG_LEVEL="WARNING",
     )  # fmt: skip
     import warnings
 
@@ -90,13 +92,12 @@ class Pool:
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        self.store = host_store(self.world)
+        env = rank_env(self.store)
         self.conns, self.procs = [], []
         for rank in range(self.world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, self.world, port, child), daemon=True)
+            p = ctx.Process(target=_worker, args=(rank, self.world, env, child), daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
