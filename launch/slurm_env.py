@@ -14,7 +14,11 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass
 
-DEFAULT_PORT_BASE = 29500  # torch's customary port; the job id spreads jobs over the next 20000
+# The job id spreads jobs over PORT_SPREAD ports from here: 12000-31999, below Linux's ephemeral
+# range (32768-60999 by default), where any outgoing connection (NCCL's, the file system's) may hold
+# the port at the moment the rendezvous binds it, failing a start or a requeue with EADDRINUSE.
+DEFAULT_PORT_BASE = 12000
+PORT_SPREAD = 20000
 
 
 @dataclass
@@ -89,7 +93,7 @@ def master_port(env: dict[str, str]) -> int:
     if env.get("MASTER_PORT"):
         return int(env["MASTER_PORT"])
     job = env.get("SLURM_JOB_ID", "0")
-    return DEFAULT_PORT_BASE + (int(job) % 20000 if job.isdigit() else 0)
+    return DEFAULT_PORT_BASE + (int(job) % PORT_SPREAD if job.isdigit() else 0)
 
 
 def from_env(

@@ -50,7 +50,7 @@ def ensure_installed() -> None:
 def _free_port_range(n: int) -> int:
     """A base port such that base..base+n-1 are all free now."""
     for _ in range(200):
-        base = random.randint(20000, 60000 - n)
+        base = random.randint(20000, 32000 - n)  # below the ephemeral ports (32768-60999)
         socks = []
         try:
             for p in range(base, base + n):

@@ -305,6 +305,9 @@ def test_layout_from_slurm_env():
     lay = slurm_env.from_env(env, use_scontrol=False)
     assert (lay.nnodes, lay.node_rank, lay.nproc_per_node, lay.world_size) == (2, 1, 8, 16)
     assert (lay.master_addr, lay.master_port) == ("n3", slurm_env.DEFAULT_PORT_BASE + 77)
+    ports = {slurm_env.master_port({"SLURM_JOB_ID": str(j)}) for j in range(0, 10**6, 7)}
+    assert min(ports) >= 1024 and max(ports) < 32768  # never in Linux's ephemeral range
+    assert slurm_env.master_port({"SLURM_JOB_ID": "77", "MASTER_PORT": "40001"}) == 40001  # kept
     w = slurm_env.worker_env(lay, 3, {**env, "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, gpu=True)
     assert (w["RANK"], w["LOCAL_RANK"], w["WORLD_SIZE"], w["LOCAL_WORLD_SIZE"]) == (
         "11",
