@@ -169,7 +169,8 @@ def test_cpu_host_probe_keeps_each_rates_faster_pass(monkeypatch):
                 return 0.1 if next(calls) // 3 == slow_pass else 0.01  # 3 timings per pass
 
             monkeypatch.setattr(host, "_median_s", timed)
-            monkeypatch.setattr(host, "SLOW_S", float("inf"))  # the 1024^3 size, however loaded
+            monkeypatch.setattr(host, "SLOW_S", float("inf"))  # the MATMUL_N size, however loaded
+            monkeypatch.setattr(host, "MATMUL_N", 256)  # its real matmuls only pick the size
             host.probe.cache_clear()
             rates = host.probe()
             assert rates["fp32"] == pytest.approx(2 * host.MATMUL_N**3 / 0.01 / 1e12)
