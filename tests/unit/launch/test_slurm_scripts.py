@@ -220,10 +220,20 @@ def test_tiny_cpu_splits_two_workers_over_the_nodes(nodes, per_node, tmp_path):
     assert layout["worker_cmd"][-1] == "train.max_steps=4"
 
 
+def python_shim(path: Path) -> Path:
+    """An executable that stands in for python where a test checks only what the script chose and
+    printed (the node's dry run itself, ~5 s a start, is the layout tests' subject)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('#!/bin/sh\necho "{}"\n')
+    path.chmod(0o755)
+    return path
+
+
 def test_container_flags_are_off_by_default_and_optional(tmp_path):
-    srun, _ = render(SLURM / "tiny_cpu.sh", 1, None, tmp_path)
+    shim = {"FTCORE_PYTHON": str(python_shim(tmp_path / "bin" / "python"))}
+    srun, _ = render(SLURM / "tiny_cpu.sh", 1, None, tmp_path, **shim)
     assert "--container" not in srun and "apptainer" not in srun
-    image = {"FTCORE_CONTAINER_IMAGE": "nvcr.io#nvidia/pytorch:25.06-py3"}
+    image = {**shim, "FTCORE_CONTAINER_IMAGE": "nvcr.io#nvidia/pytorch:25.06-py3"}
     srun, _ = render(SLURM / "tiny_cpu.sh", 1, None, tmp_path, **image)
     assert "--container-image=nvcr.io#nvidia/pytorch:25.06-py3" in srun
     assert f"--container-mounts={tmp_path}:{tmp_path}" in srun
@@ -238,10 +248,8 @@ def test_scripts_use_the_projects_venv_and_say_so(tmp_path):
     container uses its image's python. The log names the interpreter."""
     repo = tmp_path / "repo"
     shutil.copytree(SLURM, repo / "slurm")
-    venv_py = repo / ".venv" / "bin" / "python"
-    venv_py.parent.mkdir(parents=True)
-    venv_py.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    venv_py.chmod(0o755)
+    venv_py = python_shim(repo / ".venv" / "bin" / "python")
+    path_py, given_py = python_shim(tmp_path / "bin" / "python"), python_shim(tmp_path / "py")
     script, work = repo / "slurm" / "tiny_cpu.sh", tmp_path / "work"
     work.mkdir()
 
@@ -249,7 +257,7 @@ def test_scripts_use_the_projects_venv_and_say_so(tmp_path):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FTCORE_"))}
         env.update(SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="1", SLURM_SUBMIT_DIR=str(work),
                    FTCORE_SLURM_DIR=str(repo / "slurm"), FTCORE_DRY_RUN="1",
-                   PATH=f"{Path(sys.executable).parent}:{env['PATH']}", **extra)  # fmt: skip
+                   PATH=f"{path_py.parent}:{env['PATH']}", **extra)  # fmt: skip
         r = subprocess.run(["bash", str(script)], env=env, cwd=work, capture_output=True,
                            text=True, timeout=120)  # fmt: skip
         assert r.returncode == 0, r.stdout + r.stderr
@@ -261,14 +269,14 @@ def test_scripts_use_the_projects_venv_and_say_so(tmp_path):
     srun, said = dry()
     assert f" {venv_py} -m ftcore.launch.node" in srun
     assert f"python: {venv_py} (the project's venv" in said
-    srun, said = dry(FTCORE_PYTHON=sys.executable)
-    assert f" {sys.executable} -m ftcore.launch.node" in srun and "(FTCORE_PYTHON)" in said
+    srun, said = dry(FTCORE_PYTHON=str(given_py))
+    assert f" {given_py} -m ftcore.launch.node" in srun and "(FTCORE_PYTHON)" in said
     srun, said = dry(FTCORE_CONTAINER_IMAGE="nvcr.io#nvidia/pytorch:25.06-py3")
     assert " python -m ftcore.launch.node" in srun and str(venv_py) not in srun
     venv_py.unlink()
     srun, said = dry()
     assert " python -m ftcore.launch.node" in srun
-    assert f"python: python (on PATH: {Path(sys.executable).parent / 'python'}" in said
+    assert f"python: python (on PATH: {path_py}" in said
 
 
 def test_bench_script_runs_the_bench_once(tmp_path):
