@@ -3,7 +3,7 @@
 - under torchrun (RANK/WORLD_SIZE set) or srun (SLURM_PROCID with MASTER_ADDR set): join;
 - alone with `launcher.nproc_per_node > 1`: start that many workers through torch's elastic launch
   API (the same machinery torchrun uses) and wait for them; the first failure stops all;
-- alone with one worker: a one-process group on an in-memory store (no port).
+- alone with one worker: a one-process group on a store bound to a port the kernel picks.
 Then megatron's parallel state (tp, pp, vp, cp; dp is whatever is left).
 """
 
@@ -151,12 +151,12 @@ def init_distributed(cfg: DictConfig) -> DistInfo:
     the group exists: NCCL's object collectives and barriers use the current device."""
     global _comm_device
     _env_from_slurm()
-    # Alone, the group has no peers to meet: an in-memory store, no port. (A port picked free and
-    # bound later can be taken in between by any other process on the machine: EADDRINUSE.)
+    # Alone: the store env:// would make, but on a port the kernel picks as it binds. (A port picked
+    # free first and bound later can be taken in between by another process: EADDRINUSE.)
     store = None
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        store = dist.HashStore()
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
