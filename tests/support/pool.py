@@ -34,8 +34,8 @@ def _threads() -> int:
 
 def _worker(rank: int, world: int, env: dict, conn) -> None:
     sys.path.insert(0, str(ROOT))
-    os.environ.update(env)  # joins the store the pool hosts (tests/support/rendezvous.py)
     os.environ.update(
+        env,  # joins the store the pool hosts (tests/support/rendezvous.py)
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
         FTCORE_LOG_LEVEL="WARNING",
     )  # fmt: skip
