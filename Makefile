@@ -42,9 +42,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)
 
+# lint-imports: the layers of docs/design.md (pyproject.toml's [tool.importlinter] contracts)
 lint: $(STAMP)
 	$(BIN)/ruff check ftcore tests launch tools
 	$(BIN)/ruff format --check ftcore tests launch tools
+	$(BIN)/lint-imports --no-cache
 
 format: $(STAMP)
 	$(BIN)/ruff format ftcore tests launch tools

@@ -61,7 +61,7 @@ def evaluate(cfg: DictConfig, state=None) -> dict:
 
 
 def task(cfg: DictConfig) -> int | None:
-    from ftcore.config import checks, preflight
+    from ftcore.validation import checks, preflight
 
     # first: on a machine without a GPU nothing else matters
     preflight.require_cuda(cfg, "eval")

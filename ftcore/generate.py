@@ -69,7 +69,7 @@ def generate(cfg: DictConfig) -> str:
 
 
 def task(cfg: DictConfig) -> int | None:
-    from ftcore.config import checks, preflight
+    from ftcore.validation import checks, preflight
 
     # first: on a machine without a GPU nothing else matters
     preflight.require_cuda(cfg, "generate")

@@ -3,7 +3,7 @@
 Prints memory per pipeline stage, whether the job fits, the GPUs needed and the predicted speed.
 Exits 0 whether or not it fits (2 only for config errors); with plan.format=json stdout is exactly
 one JSON object and logs go to stderr. `plan.dry_build=true` also builds each distinct pipeline stage
-on the meta device (ftcore/planner/dry_build.py) and exits 2, after printing the plan, when a tensor
+on the meta device (ftcore/training/dry_build.py) and exits 2, after printing the plan, when a tensor
 is off the device or a count differs from the planner's.
 """
 
@@ -19,11 +19,11 @@ from ftcore.errors import FtcoreError
 
 def task(cfg: DictConfig) -> int:
     from ftcore import planner
-    from ftcore.config.checks import check_sequence
     from ftcore.config.ranges import check_ranges
     from ftcore.planner.layers import split_layers
     from ftcore.planner.report import table
     from ftcore.planner.search import search
+    from ftcore.validation.checks import check_sequence
 
     check_ranges(cfg)
 
@@ -45,7 +45,7 @@ def task(cfg: DictConfig) -> int:
     ranked = search(cfg, world, cfg.plan.top) if cfg.plan.search else None
     built = None
     if cfg.plan.dry_build:
-        from ftcore.planner import dry_build
+        from ftcore.training import dry_build
 
         built = result["dry_build"] = dry_build.dry_build(cfg, world)
     if cfg.plan.format == "json":

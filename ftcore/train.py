@@ -9,7 +9,7 @@ from ftcore.cli import run
 
 
 def task(cfg: DictConfig) -> int | None:
-    from ftcore.config import checks, preflight
+    from ftcore.validation import checks, preflight
 
     # first: on a machine without a GPU nothing else matters
     preflight.require_cuda(cfg, "train")

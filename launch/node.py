@@ -115,11 +115,11 @@ def check(layout: slurm_env.Layout, cfg) -> list[str]:
 
 
 def job_problems(layout: slurm_env.Layout, cfg, module: str) -> list[str]:
-    """What the workers' own checks would refuse (ftcore.config.checks: paths, adapter and base weights,
+    """What the workers' own checks would refuse (ftcore.validation.checks: paths, adapter and base weights,
     divisibility, the target cluster's hardware, memory fit, world size), found by the dry run on a
     login node instead of after the job waited in the queue."""
-    from ftcore.config import checks, preflight
     from ftcore.errors import FtcoreError
+    from ftcore.validation import checks, preflight
 
     training = module == "ftcore.train"
     try:

@@ -122,9 +122,9 @@ def _launch(b: Bench, jobs: list, turns: int, what: str) -> tuple[list, list]:
 def flops_per_token(overrides: list[str]) -> float | None:
     """Model FLOPs per token of a pair's config (ftcore.planner.flops: 4N' for LoRA, 6N' plus
     attention for full training), the same number for both sides."""
-    from ftcore.config.checks import with_hf_shapes
     from ftcore.config.schema import compose
     from ftcore.planner.flops import model_flops_per_token
+    from ftcore.validation.checks import with_hf_shapes
 
     return float(model_flops_per_token(with_hf_shapes(compose(overrides))))
 

@@ -188,9 +188,9 @@ def _flops_per_token(cfg) -> float:
 
 
 def task(cfg: DictConfig) -> int | None:
-    from ftcore.config import checks
     from ftcore.runtime import dist
     from ftcore.training import trainer
+    from ftcore.validation import checks
 
     spec = read_spec()
     if not dist.under_launcher() and cfg.launcher.nproc_per_node > 1:

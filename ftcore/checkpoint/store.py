@@ -112,7 +112,7 @@ def save(state, *, blocking: bool = False) -> Path:
     """Checkpoint the current step. Collective. On GPU with async_save the write continues in the
     background unless `blocking`; `poll`/`wait` publish it."""
     wait(state)  # one save in flight at a time, published in order
-    from ftcore.training.overlap import params_current
+    from ftcore.models.builder import params_current
 
     params_current(state.model)  # overlap_param_gather leaves the last update for the next forward
     root = ckpt_root(state)

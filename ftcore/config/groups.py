@@ -44,7 +44,7 @@ class RopeScalingConfig:
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    # llama | qwen2 (q/k/v biases) | qwen3 (q/k RMSNorm) | mistral: ftcore/models/families.py;
+    # llama | qwen2 (q/k/v biases) | qwen3 (q/k RMSNorm) | mistral: ftcore/config/families.py;
     # read from config.json's `architectures` with model.hf_path
     family: str = "llama"
     # a local HF directory: shapes, weights and tokenizer come from it
@@ -279,7 +279,7 @@ class PlanConfig:
     target_fraction: float = 1.0
     # build each distinct pipeline stage on the meta device (one CPU process, a fake process group
     # of the job's world) and check it against the planner: `dry_build` in the plan, exit 2 when a
-    # tensor is off the device or a count differs (ftcore/planner/dry_build.py)
+    # tensor is off the device or a count differs (ftcore/training/dry_build.py)
     dry_build: bool = False
 
 

@@ -1,7 +1,7 @@
 """How a run's config is composed: Hydra merges the YAML files of `conf/` into the schema's
 dataclasses (ftcore.config.groups), so an unknown key or a wrong type fails at compose time with
 the key's name. `compose()` maps Hydra's errors to FtcoreError (exit 2). Semantic checks live in
-`ftcore.config.checks`, which runs them in the pinned order.
+`ftcore.validation.checks`, which runs them in the pinned order.
 """
 
 from __future__ import annotations

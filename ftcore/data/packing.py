@@ -310,3 +310,10 @@ def cu_seqlens_from_segments(segment_ids: torch.Tensor) -> tuple[torch.Tensor, i
     starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
     cu = np.append(np.flatnonzero(starts), seg.size).astype(np.int32)
     return torch.from_numpy(cu), int(np.diff(cu).max())
+
+
+def microbatch_iterators(microbatches: list[MicroBatch], num_chunks: int):
+    """megatron's schedule wants one iterator per virtual stage, each over the same micro-batches
+    (training's step and generation's forward feed it the same way)."""
+    its = [iter(microbatches) for _ in range(num_chunks)]
+    return its if num_chunks > 1 else its[0]

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ftcore.config.checks import sequence_multiple
 from ftcore.config.schema import assets_dir
 from ftcore.data.packing import MicroBatch, attention_mask_from_segments, make_microbatch
 from ftcore.data.sampler import Sampler, rng
@@ -20,6 +19,7 @@ from ftcore.data.templates import Doc
 from ftcore.data.tokenized import DocTable, Tokenized, tokenize_source
 from ftcore.data.transfer import pin_host_batches
 from ftcore.errors import FtcoreError
+from ftcore.planner.cp import sequence_multiple
 
 __all__ = [
     "MicroBatch",

@@ -3,7 +3,7 @@
 Reading fills cfg.model from a local HF directory (family, shapes, GQA, head dim, vocab, rope theta
 and all four llama3 rope_scaling fields, rms eps, tied embeddings) and refuses what ftcore cannot
 represent exactly (other architectures and MoE, other activations or rope types, sliding-window
-attention that is on for the training length). The families are ftcore/models/families.py. Both the
+attention that is on for the training length). The families are ftcore/config/families.py. Both the
 transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`) spellings are read;
 export writes the 4.x spelling, which every version reads.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ftcore.config.families import BY_ARCHITECTURE, BY_MODEL_TYPE, FAMILIES, Family
 from ftcore.errors import FtcoreError
-from ftcore.models.families import BY_ARCHITECTURE, BY_MODEL_TYPE, FAMILIES, Family
 
 ARCHITECTURES = tuple(BY_ARCHITECTURE)
 ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")

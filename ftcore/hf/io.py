@@ -179,7 +179,7 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
 
     QLoRA's base linears go the same way without ever holding full-precision storage: their
     parameter is a meta placeholder whose `take_whole` quantizes the assembled shard to NF4
-    (peft/qlora.py), so a rank holds the NF4 base and one full-precision shard at a time."""
+    (models/nf4.py), so a rank holds the NF4 base and one full-precision shard at a time."""
     from megatron.core import parallel_state as ps
 
     from ftcore.models.sharding import iter_params, shard_info
@@ -193,11 +193,11 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
         mp = mappings.resolve(name, shapes.tie)
         if mp is None:
             raise FtcoreError(f"parameter {name} has no Hugging Face counterpart", field=field,
-                              fix="load HF weights before adding adapters; only the layers of ftcore/models/families.py are mapped")  # fmt: skip
+                              fix="load HF weights before adding adapters; only the layers of ftcore/config/families.py are mapped")  # fmt: skip
         pieces = mappings.shard_pieces(
             mp, info=shard_info(name, p, tp), s=shapes, tp_rank=tp_rank, tp=tp
         )
-        take = getattr(p, "take_whole", None)  # QLoRA's NF4 linears (peft/qlora.py), on meta
+        take = getattr(p, "take_whole", None)  # QLoRA's NF4 linears (models/nf4.py), on meta
         whole = take is not None or _quantized(p)
         device = getattr(p, "whole_device", p.device)
         dst = torch.empty(p.shape, dtype=p.dtype, device=device) if whole else p

@@ -1,5 +1,5 @@
 """Declarative ftcore (megatron) <-> Hugging Face tensor mapping (Llama and the families of
-models/families.py: Qwen2's q/k/v biases fuse like the weights, Qwen3's per-head q/k norms are
+config/families.py: Qwen2's q/k/v biases fuse like the weights, Qwen3's per-head q/k norms are
 replicated [head_dim] weights).
 
 Each rule names one megatron parameter (by its layout-independent global name, see
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ftcore.models.families import family
+from ftcore.config.families import family
 from ftcore.models.sharding import ShardInfo
 
 L = "model.layers.{i}."

@@ -100,8 +100,8 @@ def _forward(state, step, width: int, batch: int, tokens: torch.Tensor):
     """megatron's forward-only schedule over one micro-batch of `tokens`: the last stage's dict."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from ftcore.data.packing import microbatch_iterators
     from ftcore.runtime import cpu
-    from ftcore.training.step import microbatch_iterators
 
     with cpu.device_mode():
         res = get_forward_backward_func()(

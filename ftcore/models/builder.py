@@ -149,3 +149,12 @@ def wrap_ddp(cfg: DictConfig, chunks: list[GPTModel]):
                 if param.requires_grad:
                     param.ftcore_grad_into_main = True
     return wrapped
+
+
+def params_current(model: list) -> None:
+    """Finish any parameter all-gather the overlap left for the next forward: afterwards every
+    rank's parameters hold the optimizer's last update. A no-op without overlap_param_gather."""
+    for chunk in model:
+        ddp = getattr(chunk, "ddp_config", None)
+        if ddp is not None and ddp.use_distributed_optimizer and ddp.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)

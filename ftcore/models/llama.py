@@ -10,11 +10,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from omegaconf import DictConfig
 
+from ftcore.config.families import family
 from ftcore.models import rope, speed
-from ftcore.models.families import family_flags, local_qk_norms
 from ftcore.models.local.attention import SdpaAttention
 from ftcore.models.local.norm import RMSNorm
-from ftcore.peft.qlora import defer_base_linears
+from ftcore.models.nf4 import defer_base_linears
 from ftcore.planner import cp
 from ftcore.planner.layers import split_layers
 from ftcore.runtime import device_audit
@@ -26,6 +26,21 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
     """Megatron needs the vocab to divide by TP; pad to a multiple of 128·tp like megatron does."""
     m = multiple * tp
     return ((vocab_size + m - 1) // m) * m
+
+
+def family_flags(m) -> dict:
+    """megatron TransformerConfig switches of the family (models/llama.transformer_config)."""
+    f = family(m)
+    return {"add_qkv_bias": f.qkv_bias, "qk_layernorm": f.qk_layernorm}
+
+
+def local_qk_norms(spec, m, norm) -> None:
+    """Put ftcore's RMSNorm (models/local/norm.py) on q and k in megatron's local layer spec when
+    the family normalises each head (megatron builds it with hidden_size = head dim and sums its
+    gradient over the TP group itself: finalize_model_grads, `qk_layernorm`)."""
+    if family(m).qk_layernorm:
+        spec.submodules.self_attention.submodules.q_layernorm = norm
+        spec.submodules.self_attention.submodules.k_layernorm = norm
 
 
 def _no_init(tensor: torch.Tensor) -> None:

@@ -2,7 +2,7 @@
 as megatron's TransformerConfig and DistributedDataParallelConfig fields, and their checks.
 
 One place decides what each key means on CPU and on GPU, so the build (models/llama.py,
-models/builder.py), the checks run before anything is built (config/checks.py) and the planner
+models/builder.py), the checks run before anything is built (validation/checks.py) and the planner
 read the same thing. GPU-only options are validated on any machine by constructing megatron's
 real config objects from them (`check`); only a run on the GPU itself needs Transformer Engine
 (`check_device`). docs/gpu_speed.md says what each option buys.

@@ -221,7 +221,7 @@ def check_config(cfg: DictConfig) -> None:
             f"QLoRA keeps the frozen base in NF4, so it cannot also run {cfg.precision.name}",
             field="precision", fix="use peft=lora with FP8/FP4, or peft=qlora with precision=bf16",
         )  # fmt: skip
-    from ftcore.models.families import family
+    from ftcore.config.families import family
 
     if p.name == "qlora" and family(cfg.model).qkv_bias:
         raise FtcoreError(

@@ -17,11 +17,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from omegaconf import DictConfig
 
+from ftcore.models.nf4 import quantize_linear
 from ftcore.models.sharding import iter_params, shard_info, take_shard, unwrap
 from ftcore.peft.adapter_format import load_hf_adapter
 from ftcore.peft.config import PARENT, Geometry, LoraSettings, check_config, plan_targets, settings
 from ftcore.peft.layers import LoraParallelLinear
-from ftcore.peft.qlora import quantize_linear
 from ftcore.peft.te_layers import lora_linear  # the TE variant over TE linears (GPU spec)
 from ftcore.runtime import dist as rdist
 

@@ -15,7 +15,7 @@ the other ranks reach a rank's queries is `parallel.cp_comm_type` (Transformer E
   ways; the heads and kv groups of a TP rank must divide by cp.
 - a2a+p2p: a2a inside groups of `a2a_size` consecutive CP ranks, the p2p ring across them.
 The CPU runtime has one CP attention, an all-gather whatever the key says (activations.shape_of).
-These rules are validation's too (config/checks.py) and the layout search's (search.py).
+These rules are validation's too (validation/checks.py) and the layout search's (search.py).
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ def seq_multiple(tp: int, sp: bool, cp: int) -> int:
     parallelism (data/cp.py), each split over the TP ranks under SP (the multiple Megatron-Bridge
     pads to; a little stricter than lcm(2*cp, cp*tp), which the math alone needs)."""
     return (tp if sp else 1) * (2 * cp if cp > 1 else 1)
+
+
+def sequence_multiple(parallel) -> int:
+    """seq_multiple of a config's `parallel` section: what every row width must divide by
+    (validation and the data pipeline; the layout search calls seq_multiple itself)."""
+    return seq_multiple(parallel.tp, bool(parallel.sp), parallel.cp)
 
 
 def hierarchical_sizes(parallel) -> list[int] | None:

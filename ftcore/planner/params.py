@@ -4,7 +4,7 @@ Derived from the model shapes and the layout alone (no torch), in megatron's reg
 (embedding, then per layer input norm, out projection, QKV weight and bias, q/k norms, MLP norm,
 fc1, fc2, each linear followed by its adapters, then final norm and output layer), so the DDP
 buffer layout and its padding can be replayed exactly in `memory.py`. The family's extras
-(models/families.py: Qwen2's q/k/v bias, Qwen3's [head_dim] q/k norms) are counted like megatron
+(config/families.py: Qwen2's q/k/v bias, Qwen3's [head_dim] q/k norms) are counted like megatron
 allocates them.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from ftcore.models.families import family
+from ftcore.config.families import family
 from ftcore.planner.layers import split_layers
 
 # The Hugging Face slices of each megatron linear, in fused order (as ftcore.peft.config.SLICES).

@@ -45,7 +45,7 @@ def _tp_options(cfg: DictConfig) -> list[int]:
 
 def _cp_options(cfg: DictConfig, tp: int) -> list[tuple[int, str | None]]:
     """(cp, cp_comm_type) pairs validation accepts for this tp (with sp when tp > 1): the same
-    rules as config/checks.py's check_sequence (planner/cp.py). cp=1 keeps the config's type."""
+    rules as validation/checks.py's check_sequence (planner/cp.py). cp=1 keeps the config's type."""
     out: list[tuple[int, str | None]] = [(1, None)]
     for c in (2, 4, 8, 16):
         if cfg.data.seq_len % cp_rules.seq_multiple(tp, tp > 1, c):

@@ -317,7 +317,7 @@ def layer_spec(cfg: DictConfig):
         return None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    from ftcore.models.families import family
+    from ftcore.config.families import family
 
     return get_gpt_layer_with_transformer_engine_spec(
         num_experts=None, qk_layernorm=family(cfg.model).qk_layernorm

@@ -12,7 +12,7 @@ megatron-core assumes CUDA in two ways (see docs/cpu_runtime.md):
    and the backward (`mode_suspended`; measured in the README).
 
 `meta_device()` points the same rewriting at the meta device instead, for the planner's dry build
-(ftcore/planner/dry_build.py): inside it, ftcore builds as it would on a GPU (`is_active()` is
+(ftcore/training/dry_build.py): inside it, ftcore builds as it would on a GPU (`is_active()` is
 False) and everything megatron puts on "the GPU" lands on meta, while a tensor created without a
 device stays on the CPU, where the dry build finds it.
 """

@@ -5,7 +5,7 @@
 - overlap_param_gather: the optimizer step no longer all-gathers the updated parameters; each
   bucket's gather starts in the next forward (DDP's pre-hooks, or `param_sync_func` under
   interleaving). Whatever reads the weights between steps (checkpoint, export, tests) calls
-  `params_current` first.
+  `models.builder.params_current` first.
 - perf.manual_gc: Python's collector off during steps (a collection pausing one rank stalls every
   rank waiting for it in a collective); all ranks collect together every interval steps.
 """
@@ -26,15 +26,6 @@ def wire(config, model: list, cfg) -> None:
         config.grad_sync_func = one_or_list([m.start_grad_sync for m in model])
     if model[0].ddp_config.align_param_gather:
         config.param_sync_func = one_or_list([m.start_param_sync for m in model])
-
-
-def params_current(model: list) -> None:
-    """Finish any parameter all-gather the overlap left for the next forward: afterwards every
-    rank's parameters hold the optimizer's last update. A no-op without overlap_param_gather."""
-    for chunk in model:
-        ddp = getattr(chunk, "ddp_config", None)
-        if ddp is not None and ddp.use_distributed_optimizer and ddp.overlap_param_gather:
-            chunk.start_param_sync(force_sync=True)
 
 
 class Collector:

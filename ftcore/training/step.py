@@ -18,6 +18,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ftcore.data import cp as cp_shard
+from ftcore.data.packing import microbatch_iterators
 from ftcore.data.pipeline import MicroBatch, attention_mask_from_segments
 from ftcore.data.transfer import to_device
 from ftcore.models import rope, target_logits
@@ -130,12 +131,6 @@ def forward_step(data_iterator, model):
         tokens, positions = to_device(mb.tokens, device), to_device(mb.position_ids, device)
         output = model(tokens, positions, mask, **kwargs)
     return output, partial(loss_func, mb, chunk.vocab_size_unpadded, rows)
-
-
-def microbatch_iterators(microbatches: list[MicroBatch], num_chunks: int):
-    """megatron wants one iterator per virtual stage, each over the same micro-batches."""
-    its = [iter(microbatches) for _ in range(num_chunks)]
-    return its if num_chunks > 1 else its[0]
 
 
 def reduce_sums(values: list[float], contribute: bool) -> list[float]:

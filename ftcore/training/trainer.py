@@ -52,12 +52,12 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     `kind` ("train", "eval", "generate"): eval and generate take no held-out split of data.path,
     keep out of the training runs' folder (rdist.decide_run_dir) and write no config.yaml."""
     from ftcore.checkpoint import store
-    from ftcore.config import checks
     from ftcore.config.presets import adapt
     from ftcore.data.pipeline import build_train_loader, build_val_batches, set_steps_from_epochs
     from ftcore.data.tokenizer import load_tokenizer
     from ftcore.models.builder import build_model, wrap_ddp
     from ftcore.training.optim import build_optimizer, build_scheduler
+    from ftcore.validation import checks
 
     training = kind == "train"
     # 1. HF shapes first, so every check below sees the real model; a preset's evaluation fitted
@@ -281,9 +281,10 @@ def fit(state: TrainState) -> None:
 def finish(state: TrainState) -> None:
     """End of a run: a last checkpoint, then the Hugging Face artefacts (hf_adapter/ or hf_model/)."""
     from ftcore.checkpoint import store
+    from ftcore.models.builder import params_current
 
     cfg = state.cfg
-    overlap.params_current(state.model)  # the last update, before anything reads the weights
+    params_current(state.model)  # the last update, before anything reads the weights
     if cfg.checkpoint.save_at_end and not store.exists(state, state.step):
         store.save(state)
     store.wait(state)

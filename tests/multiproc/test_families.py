@@ -1,4 +1,4 @@
-"""Qwen2, Qwen3 and Mistral against transformers' own models (ftcore/models/families.py).
+"""Qwen2, Qwen3 and Mistral against transformers' own models (ftcore/config/families.py).
 
 Per family, kept to few runs (each multi-process run costs seconds of setup on 2 cores):
 - TP=2 (one 2-rank run): logits and `ftcore.eval`'s loss equal HF's to 1e-5 relative, and the live

@@ -54,7 +54,7 @@ def test_adapter_path_round_trip(pool1, tmp_path):
 
 
 def qlora_case(run_dir: str, name: str) -> dict:
-    from ftcore.peft.qlora import NF4ParallelLinear
+    from ftcore.models.nf4 import NF4ParallelLinear
     from ftcore.training import trainer
 
     state = build([f"peft={name}", ALL7, *LORA, "train.micro_batch_size=4"], run_dir)

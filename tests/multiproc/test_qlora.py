@@ -150,8 +150,8 @@ def setup_peak_case(hf_dir: str, run_dir: str) -> dict:
     import gc
 
     from ftcore.models import builder
+    from ftcore.models.nf4 import NF4ParallelLinear
     from ftcore.peft import lora
-    from ftcore.peft.qlora import NF4ParallelLinear
     from ftcore.training import trainer
 
     # Every allocation of 64 KiB or more its own mapping, unmapped when freed: RSS then follows the

@@ -2,7 +2,7 @@
 away from megatron's defaults, a vocab size TP does not divide) and worker-side cases that load it
 into ftcore under a layout and return logits, the eval loss and an exported hf_model/.
 
-`family` picks the transformers class (ftcore/models/families.py): llama (the default), qwen2
+`family` picks the transformers class (ftcore/config/families.py): llama (the default), qwen2
 (random q/k/v biases), qwen3 (random q/k norms, head_dim != hidden / heads), mistral (a sliding
 window longer than the test sequences, which changes nothing)."""
 
@@ -170,8 +170,8 @@ def forward_logits(state, x: torch.Tensor):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from ftcore.data.packing import microbatch_iterators
     from ftcore.runtime import cpu
-    from ftcore.training.step import microbatch_iterators
 
     for chunk in state.model:
         chunk.eval()

@@ -13,8 +13,9 @@ from megatron.core import parallel_state as ps
 
 from ftcore.config.schema import compose
 from ftcore.data.pipeline import MicroBatch
+from ftcore.models.builder import params_current
 from ftcore.models.sharding import iter_params, join_shards, shard_info, unwrap
-from ftcore.training import overlap, trainer
+from ftcore.training import trainer
 from tests.support.tiny import TINY
 
 
@@ -94,7 +95,7 @@ def train_and_collect(overrides: list[str], run_dir: str, steps: int = 5) -> dic
         out = trainer.train_step(state)
         losses.append(out["loss"])
         norms.append(out["grad_norm"])
-    overlap.params_current(state.model)  # overlap_param_gather: the last update, gathered
+    params_current(state.model)  # overlap_param_gather: the last update, gathered
     config, ddp = unwrap(state.model[0]).config, state.model[0].ddp_config
     flags = {  # what megatron ran with (the layout tests check the options reached it)
         "overlap_grad_reduce": ddp.overlap_grad_reduce,

@@ -1,9 +1,10 @@
 """The house: what a clone of the repository promises about its own structure.
 
-At most 12 modules at the top of ftcore/, no import cycle among ftcore's modules (imports inside
-functions included), no reference from the package to a file outside the repository, and a wheel
-that holds every module and config file (setuptools discovers the packages: a new folder is never
-silently left out)."""
+At most 12 modules at the top of ftcore/; its packages in the layers of docs/design.md (import-linter
+over pyproject.toml's contracts: each package imports only those below it, no import cycle, lazy
+imports included), with launch/ above them all; no reference from the package to a file outside
+the repository; and a wheel that holds every module and config file (setuptools discovers the
+packages: a new folder is never silently left out)."""
 
 from __future__ import annotations
 
@@ -15,92 +16,61 @@ from pathlib import Path
 
 import pytest
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: import-linter's own TOML reader
+    import tomli as tomllib
+
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "ftcore"
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+def _lint_imports(*args: str) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("lint-imports")
+    return subprocess.run([str(exe), "--no-cache", "--no-logo", *args], cwd=ROOT,
+                          capture_output=True, text=True)  # fmt: skip
 
 
-def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in PKG.rglob("*.py")}
+def test_packages_keep_their_layers():
+    """import-linter over pyproject.toml's contracts: every package of ftcore/ in a layer
+    (exhaustive), each importing only the layers below it, lazy imports included; no import cycle
+    among the modules of any package."""
+    done = _lint_imports()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 broken" in done.stdout
 
 
-def _imports(path: Path, name: str, known: set[str]) -> set[str]:
-    """Every ftcore module `name` imports, at any depth (lazy imports count)."""
-    out = set()
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name in known}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(
-                    package.split(".")[: len(package.split(".")) - node.level + 1] + [base]
-                ).strip(".")
-            for a in node.names:
-                if f"{base}.{a.name}" in known:  # `from ftcore.pkg import module`
-                    out.add(f"{base}.{a.name}")
-                elif base in known:
-                    out.add(base)
-    out.discard(name)
-    return out
+def test_layers_name_every_package_as_the_docs_do():
+    """docs/design.md lists the layers in the contract's order, so the picture cannot drift."""
+    layers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (contract,) = [c for c in layers["contracts"] if c["id"] == "layers"]
+    names = [n.strip() for layer in contract["layers"] for n in layer.split("|")]
+    children = {p.stem for p in PKG.glob("*.py") if p.stem != "__init__"}
+    children |= {p.name for p in PKG.iterdir() if (p / "__init__.py").is_file()}
+    assert sorted(names) == sorted(children)
+    design = (ROOT / "docs" / "design.md").read_text()
+    picture = design[design.index("## Layers") :]
+    picture = picture[: picture.index("\n## ", 1)]
+    rows = [line for line in picture.splitlines() if line.startswith("| `")]
+    in_docs = [[n.strip("`") for n in row.split("|")[1].split()] for row in rows]
+    in_contract = [[n.strip() for n in layer.split("|")] for layer in contract["layers"]]
+    assert in_docs == in_contract, "docs/design.md lists the layers of pyproject.toml, top first"
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan)."""
-    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
-
-    def visit(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                found.append(sorted(comp))
-
-    sys.setrecursionlimit(10000)
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return found
-
-
-def test_cycle_finder_sees_a_lazy_cycle(tmp_path):
-    """The checker itself: a cycle closed only by an import inside a function is found."""
-    a, b = tmp_path / "a.py", tmp_path / "b.py"
-    a.write_text("from ftcore.b import f\n")
-    b.write_text("def f():\n    from ftcore.a import g\n")
-    known = {"ftcore.a", "ftcore.b"}
-    graph = {"ftcore.a": _imports(a, "ftcore.a", known), "ftcore.b": _imports(b, "ftcore.b", known)}
-    assert _cycles(graph) == [["ftcore.a", "ftcore.b"]]
-
-
-def test_no_import_cycle_among_ftcore_modules():
-    mods = _modules()
-    # a package's __init__ is imported with any of its modules: count the edge only if it imports
-    graph = {name: _imports(path, name, set(mods)) for name, path in mods.items()}
-    assert _cycles(graph) == []
+def test_nothing_in_the_package_imports_launch():
+    """launch/ (installed as ftcore.launch) sits above every package of ftcore/; import-linter does
+    not see it (it lives outside ftcore/), so this reads the imports itself."""
+    bad = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            if any(n == "ftcore.launch" or n.startswith("ftcore.launch.") for n in names):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert bad == []
 
 
 def test_at_most_twelve_top_level_modules():

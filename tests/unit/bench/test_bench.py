@@ -16,9 +16,9 @@ from omegaconf import OmegaConf
 from ftcore.bench import report
 from ftcore.bench.dispatch import _extra, normalise
 from ftcore.bench.runner import expand_runs
-from ftcore.config.checks import check_divisibility
 from ftcore.config.schema import compose, conf_dir
 from ftcore.errors import FtcoreError
+from ftcore.validation.checks import check_divisibility
 
 PNG = b"\x89PNG\r\n\x1a\n"
 BENCHES = sorted(p.stem for p in (conf_dir() / "bench").glob("*.yaml") if p.stem != "none")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ftcore.bench.overhead import overhead_md, per_layer
-from ftcore.config.checks import check_divisibility
 from ftcore.config.schema import compose
+from ftcore.validation.checks import check_divisibility
 
 
 def test_host_overhead_composes():

@@ -10,11 +10,11 @@ import typing
 import pytest
 
 from ftcore import cli
-from ftcore.config import checks
 from ftcore.config.groups import FtcoreConfig
 from ftcore.config.ranges import RANGES, check_ranges
 from ftcore.config.schema import compose
 from ftcore.errors import FtcoreError
+from ftcore.validation import checks
 
 
 def _numeric_fields(cls, prefix: str = "") -> set[str]:

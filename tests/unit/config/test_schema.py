@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from ftcore.config.checks import validate
 from ftcore.config.schema import compose, conf_dir
 from ftcore.errors import FtcoreError
+from ftcore.validation.checks import validate
 
 EXPS = sorted(p.stem for p in (conf_dir() / "exp").glob("*.yaml"))
 
@@ -128,7 +128,7 @@ def test_context_parallel_layouts_validate():
 
 
 def test_generation_refuses_context_parallelism():
-    from ftcore.config.checks import check_generation
+    from ftcore.validation.checks import check_generation
 
     check_generation(compose(["+exp=tiny_full"]))
     with pytest.raises(FtcoreError, match=r"parallel\.cp"):

@@ -215,7 +215,7 @@ def test_sliding_window_refused_when_on_and_shorter(family, change, seq_len, ref
 
 def test_family_of_a_model_section_without_hf_path():
     """conf/model files name their family; an unknown one is refused at the config checks."""
-    from ftcore.config.checks import check_choices
+    from ftcore.validation.checks import check_choices
 
     assert compose(["model=qwen3_32b"]).model.family == "qwen3"
     with pytest.raises(FtcoreError) as e:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ftcore.inference.generation import _choose, nucleus
-from tests.unit.config.test_preflight import cli
+from tests.unit.validation.test_preflight import cli
 
 
 def test_nucleus_keeps_the_fewest_tokens_reaching_top_p():

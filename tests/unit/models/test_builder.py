@@ -234,8 +234,8 @@ def test_build_uses_the_configured_init(runtime):
 
 
 def test_bad_init_method_is_a_config_error():
-    from ftcore.config.checks import validate
     from ftcore.errors import FtcoreError
+    from ftcore.validation.checks import validate
 
     with pytest.raises(FtcoreError) as e:
         validate(compose([*TINY, "model.init_method=fast"]), 1)

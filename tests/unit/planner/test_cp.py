@@ -9,11 +9,11 @@ import json
 import pytest
 
 from ftcore import planner
-from ftcore.config import checks
 from ftcore.config.schema import compose
 from ftcore.planner import activations as act
 from ftcore.planner import calibration, cp, flops, memory, search, throughput
 from ftcore.planner.view import replace, view
+from ftcore.validation import checks
 from tests.unit.planner.test_plan import plan_cli
 
 LONG = ["+exp=70b_lora_128k"]
@@ -111,7 +111,7 @@ def test_kv_exchange_priced_by_comm_type(base):
 
 
 def test_search_proposes_only_cp_layouts_validation_accepts(base):
-    """Every searched layout passes config/checks.py's sequence checks (the same rules,
+    """Every searched layout passes validation/checks.py's sequence checks (the same rules,
     planner/cp.py): seq_len a multiple of tp*2*cp under sp, a2a only where heads divide."""
     cfg = replace(base, cluster={"gpus_per_node": 8})
     seen = set()

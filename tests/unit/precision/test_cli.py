@@ -23,7 +23,7 @@ def _train_importable() -> bool:
 @pytest.mark.skipif(not _train_importable(), reason="ftcore.training.trainer is not importable yet")
 def test_train_fp8_on_cpu_exits_2_without_traceback(tmp_path: Path):
     # on cluster=local_cpu: a GPU cluster (exp/70b_fp8) is refused before this, for having no CUDA
-    # device at all (tests/unit/config/test_preflight.py)
+    # device at all (tests/unit/validation/test_preflight.py)
     args = ["+exp=tiny_full", "precision=fp8_cs"]
     proc = subprocess.run(
         [sys.executable, "-m", "ftcore.train", *args, f"run.dir={tmp_path / 'run'}"],

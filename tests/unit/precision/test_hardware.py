@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from ftcore.config.checks import validate
 from ftcore.config.schema import compose, conf_dir
 from ftcore.errors import FtcoreError
 from ftcore.precision import hardware, ngc
+from ftcore.validation.checks import validate
 from tests.gpu.cases import CASES
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -30,7 +30,7 @@ def check_on_target(cfg, launched: int) -> int:
 
 @pytest.mark.parametrize("exp", EXPS)
 def test_every_exp_validates_on_its_target(exp):
-    # the user brings the base (model.hf_path); its files are checked apart (tests/unit/config/test_preflight.py)
+    # the user brings the base (model.hf_path); its files are checked apart (tests/unit/validation/test_preflight.py)
     cfg = compose([f"+exp={exp}", "model.allow_random_base=true"])
     launched = cfg.cluster.num_gpus or cfg.launcher.nproc_per_node
     check_on_target(cfg, launched)

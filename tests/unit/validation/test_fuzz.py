@@ -20,10 +20,10 @@ import sys
 import pytest
 
 from ftcore import cli, plan
-from ftcore.config import checks
-from ftcore.config.checks import CHOICES
 from ftcore.config.ranges import RANGES
 from ftcore.config.schema import assets_dir
+from ftcore.validation import checks
+from ftcore.validation.checks import CHOICES
 
 SEED = int(os.environ.get("FTCORE_FUZZ_SEED", "28"))
 CASES = int(os.environ.get("FTCORE_FUZZ_CASES", "60"))

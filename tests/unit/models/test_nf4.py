@@ -27,7 +27,7 @@ def test_loaded_qlora_base_is_built_without_storage_and_quantized_as_read(runtim
     from ftcore.hf.config import merge_hf_config
     from ftcore.hf.io import load_weights
     from ftcore.models.builder import build_model
-    from ftcore.peft.qlora import NF4ParallelLinear
+    from ftcore.models.nf4 import NF4ParallelLinear
     from tests.support.hf_helpers import compose_hf, make_tiny_hf
 
     hf = make_tiny_hf(tmp_path / "hf")  # a weights source: the base is read, not drawn
@@ -61,7 +61,7 @@ def test_a_dry_build_on_meta_leaves_later_quantisation_working(monkeypatch):
     quantisation afterwards in the same process still works and round-trips."""
     import bitsandbytes.functional as bnbf
 
-    from ftcore.peft.qlora import NF4ParallelLinear
+    from ftcore.models.nf4 import NF4ParallelLinear
 
     monkeypatch.delitem(bnbf.name2qmap, "dynamic", raising=False)  # as in a fresh process
     meta = NF4ParallelLinear(

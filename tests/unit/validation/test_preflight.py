@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftcore.config.checks import validate
 from ftcore.config.schema import compose
 from ftcore.errors import FtcoreError
 from ftcore.peft.config import Geometry, LoraSettings
+from ftcore.validation.checks import validate
 from tests.support.cli import QUESTION, cli, error_line  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -65,7 +65,7 @@ def test_train_refuses_an_adapter_next_to_full_fine_tuning(tmp_path):
 
 
 def test_train_goes_on_training_an_adapter_on_the_base_it_names(tmp_path):
-    from ftcore.config.preflight import use_adapter
+    from ftcore.validation.preflight import use_adapter
 
     ad = tiny_adapter(tmp_path / "hf_adapter")
     cfg = use_adapter(compose(["peft=lora", f"peft.adapter_path={ad}"]), training=True)

@@ -1,6 +1,6 @@
-"""The planner's dry build (plan.dry_build=true): every conf/exp file built on the meta device, one
-rank per distinct pipeline stage of its full world, counted against the planner and checked for
-tensors left off the device. One process builds them all (the module fixture); the CLI's exit 2
+"""The dry build (plan.dry_build=true, ftcore/training/dry_build.py): every conf/exp file built on
+the meta device, one rank per distinct pipeline stage of its full world, counted against the
+planner and checked for tensors left off the device. One process builds them all (the module fixture); the CLI's exit 2
 runs once in a subprocess."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from ftcore import planner
 from ftcore.config.schema import compose, conf_dir
 from ftcore.errors import FtcoreError
-from ftcore.planner import dry_build
+from ftcore.training import dry_build
 
 EXPS = sorted(p.stem for p in Path(conf_dir(), "exp").glob("*.yaml"))
 NO_DIST_OPT = "parallel.distributed_optimizer=false"

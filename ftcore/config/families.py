@@ -48,18 +48,3 @@ def family(m) -> Family:
     except KeyError:
         raise FtcoreError(f"unknown model family {name!r}", field="model.family",
                           fix=f"use one of {', '.join(FAMILIES)}") from None  # fmt: skip
-
-
-def family_flags(m) -> dict:
-    """megatron TransformerConfig switches of the family (models/llama.transformer_config)."""
-    f = family(m)
-    return {"add_qkv_bias": f.qkv_bias, "qk_layernorm": f.qk_layernorm}
-
-
-def local_qk_norms(spec, m, norm) -> None:
-    """Put ftcore's RMSNorm (models/local/norm.py) on q and k in megatron's local layer spec when
-    the family normalises each head (megatron builds it with hidden_size = head dim and sums its
-    gradient over the TP group itself: finalize_model_grads, `qk_layernorm`)."""
-    if family(m).qk_layernorm:
-        spec.submodules.self_attention.submodules.q_layernorm = norm
-        spec.submodules.self_attention.submodules.k_layernorm = norm

@@ -9,9 +9,9 @@ import math
 
 from omegaconf import DictConfig
 
+from ftcore.config.families import FAMILIES
 from ftcore.config.ranges import check_ranges
 from ftcore.errors import FtcoreError
-from ftcore.models.families import FAMILIES
 from ftcore.planner import cp
 from ftcore.planner.layers import split_layers
 
@@ -121,7 +121,7 @@ def check_sequence(cfg: DictConfig) -> None:
     if problem:
         field, what, fix = problem
         raise FtcoreError(what, field=field, fix=fix)
-    mult = sequence_multiple(p)
+    mult = cp.sequence_multiple(p)
     if s % mult:
         raise FtcoreError(
             f"seq_len={s} must divide by {mult}: 2*cp context-parallel chunks (at cp > 1), each "
@@ -151,11 +151,6 @@ def check_hierarchical_sizes(p) -> None:
             fix=f"e.g. parallel.hierarchical_cp_sizes=[{a2a},{p.cp // a2a}] (all-to-all inside a "
             "node, the ring across nodes)",
         )
-
-
-def sequence_multiple(p) -> int:
-    """What every row width must divide by (planner/cp.py: the layout search uses the same)."""
-    return cp.seq_multiple(p.tp, bool(p.sp), p.cp)
 
 
 def check_context_parallel(cfg: DictConfig) -> None:
@@ -211,8 +206,8 @@ def check_for_launch(cfg: DictConfig, world: int, *, training: bool = True) -> i
     is imported."""
     check_ranges(cfg)
     check_choices(cfg)
-    from ftcore.config import preflight
     from ftcore.config.presets import adapt
+    from ftcore.validation import preflight
 
     checked = copy.deepcopy(cfg)
     adapt(checked, training=training, say=False)  # the workers adapt their own copy (and log it)
@@ -232,7 +227,7 @@ def with_hf_shapes(cfg: DictConfig) -> DictConfig:
 def validate(cfg: DictConfig, launched: int, *, training: bool = True, device=None) -> int:
     """Run every check in the pinned order; returns the data-parallel size. `device`
     (hardware.Device) stands in for this machine's GPU: tests check a target GPU on CPU."""
-    from ftcore.config import preflight
+    from ftcore.validation import preflight
 
     check_ranges(cfg)  # every numeric field in its range (ftcore/config/ranges.py) before any use
     check_choices(cfg)
@@ -248,8 +243,8 @@ def check_layout(
     dp. `on_target`: the hardware of cluster.compute_capability, not this machine's (dry run);
     `device`: a simulated machine for the hardware check (see validate)."""
     from ftcore import planner
-    from ftcore.config import preflight
     from ftcore.precision import hardware
+    from ftcore.validation import preflight
 
     check_divisibility(cfg)
     from ftcore.models import speed
@@ -281,7 +276,7 @@ def problems(cfg: DictConfig, launched: int, *, training: bool = True) -> list[s
     """Everything the SLURM dry run reports, one line each: the inputs (paths, adapter, base
     weights), then the pinned checks against the target cluster's hardware up to the first failure
     (each later check assumes the earlier ones passed). A bad choice stops it at once."""
-    from ftcore.config import preflight
+    from ftcore.validation import preflight
 
     try:
         check_ranges(cfg)
