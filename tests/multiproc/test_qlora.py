@@ -58,6 +58,11 @@ def bnb_peft_logits(hf_dir, adapter: str | None, x: torch.Tensor, nf4: bool = Tr
             bnb_4bit_use_double_quant=double_quant,
         )  # fmt: skip
     model = LlamaForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32, **kw)
+    for module in model.modules():
+        # bitsandbytes >= 0.50 on a CPU with AVX512-BF16 repacks an eval-mode Linear4bit for a bf16
+        # kernel at its first forward, whatever bnb_4bit_compute_dtype says: keep the fp32 oracle
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
     if adapter:
         model = PeftModel.from_pretrained(model, adapter)
     return model.eval()(input_ids=x).logits.float()
