@@ -1,7 +1,8 @@
 """ftcore's per-node launcher: `python -m ftcore.launch.node [options] -- [Hydra overrides]`.
 
-One runs on each node (one SLURM task per node, `srun --ntasks-per-node=1`). It derives the
-rendezvous from SLURM's environment (ftcore.launch.slurm_env), checks the allocation against the
+One runs on each node (one SLURM task per node, `srun --ntasks-per-node=1`, or the container of
+each Kubeflow pod). It derives the rendezvous from SLURM's environment (ftcore.launch.slurm_env) or
+Kubeflow's PET_* variables (ftcore.launch.pet_env), checks the allocation against the
 experiment (so a wrong `--nodes` fails in seconds with exit 2, not after 128 processes started),
 prints the resolved layout, starts one worker per GPU (or per requested CPU worker) with the
 torchrun-style environment, and waits.
@@ -27,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from ftcore.launch import slurm_env
+from ftcore.launch import pet_env, slurm_env
 
 from ftcore.cli import exit_process, skip_unused_imports
 
@@ -79,12 +80,21 @@ def _compose(overrides: list[str]):
 def resolve_nproc(arg: str, cfg, env: dict[str, str]) -> int:
     if arg != "auto":
         return int(arg)
+    if pet_env.nproc(env):  # a Kubeflow pod: the manifest's numProcPerNode, as torchrun reads it
+        return pet_env.nproc(env)
     if cfg is not None and cfg.cluster.device == "cpu":
         return int(cfg.launcher.nproc_per_node)
     gpus = slurm_env.gpus_on_node(env)
     if gpus:
         return gpus
     return int(cfg.cluster.gpus_per_node) if cfg is not None else 1
+
+
+def layout_of(env: dict[str, str], nproc: int, use_scontrol: bool) -> slurm_env.Layout:
+    """This node's place in the job: from Kubeflow's PET_* variables in a pod, else SLURM's."""
+    if pet_env.present(env):
+        return pet_env.from_env(env, nproc)
+    return slurm_env.from_env(env, nproc, use_scontrol=use_scontrol)
 
 
 def check(layout: slurm_env.Layout, cfg) -> list[str]:
@@ -272,20 +282,24 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(s, lambda signum, _f: early.append(signum))
     env = dict(os.environ)
     cfg = None
-    if not args.no_check:
-        from ftcore.errors import FtcoreError
+    from ftcore.errors import FtcoreError
 
+    if not args.no_check:
         try:
             cfg = _compose(overrides)
             skip_unused_imports(cfg)
         except FtcoreError as e:
             print(f"ftcore error: {e}", file=sys.stderr, flush=True)
-            at = slurm_env.from_env(env, 1, use_scontrol=False)
+            at = layout_of(env, 1, use_scontrol=False)
             return finish(
                 EXIT_USER_ERROR, at.nnodes, args.linger, exits_dir(overrides), at.node_rank
             )
     nproc = resolve_nproc(args.nproc_per_node, cfg, env)
-    layout = slurm_env.from_env(env, nproc, use_scontrol=not args.dry_run)
+    try:
+        layout = layout_of(env, nproc, use_scontrol=not args.dry_run)
+    except FtcoreError as e:  # a PET_* environment ftcore cannot run in
+        print(f"ftcore error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     info = describe(layout, cfg, args.module, overrides)
     exits = exits_dir(overrides)
     problems = check(layout, cfg) if cfg is not None else []

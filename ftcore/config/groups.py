@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
+from ftcore.config.k8s import K8sConfig
+
 
 @dataclass
 class RunConfig:
@@ -348,3 +350,4 @@ class FtcoreConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    k8s: K8sConfig = field(default_factory=K8sConfig)  # python -m ftcore.launch.k8s

@@ -136,6 +136,11 @@ RANGES: dict[str, Range] = {
     "bench.turns": AT_LEAST_0,
     "bench.loss_tolerance": Range(0, 1, lo_open=True, hi_open=True),
     "bench.gemm_size": AT_LEAST_1,
+    "k8s.nodes": AT_LEAST_1,
+    "k8s.procs_per_node": AT_LEAST_1,
+    "k8s.max_restarts": AT_LEAST_0,
+    "k8s.grace_seconds": AT_LEAST_0,
+    "k8s.fabric_devices": AT_LEAST_1,
 }
 
 
