@@ -26,8 +26,10 @@ def resolve_step_dir(path: str) -> Path:
         if (root / ".metadata").is_file():
             return root
         latest = root / "latest"
-        if latest.is_file():
-            step = root / latest.read_text().strip()
+        if latest.is_file() or latest.is_symlink():
+            from ftcore.runtime.safe_files import read_latest
+
+            step = read_latest(root, "export.checkpoint")  # exactly step_<N>, in this directory
             if (step / ".metadata").is_file():
                 return step
             raise FtcoreError(
@@ -72,6 +74,9 @@ def task(cfg: DictConfig) -> int | None:
         raise FtcoreError("no checkpoint given", field="export.checkpoint",
                           fix="export.checkpoint=<run.dir>/checkpoints/step_<N>")  # fmt: skip
     step_dir = resolve_step_dir(cfg.export.checkpoint)
+    from ftcore.checkpoint.files import check_manifest
+
+    check_manifest(step_dir, checksums=True, field="export.checkpoint")  # as resume checks it
     run_cfg = run_config(step_dir)
     run_dir = step_dir.parent.parent
     adapter = run_cfg.peft.get("name", "none") != "none"  # LoRA checkpoints hold the adapters only
