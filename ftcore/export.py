@@ -95,11 +95,34 @@ def task(cfg: DictConfig) -> int | None:
     return None
 
 
+# What makes a directory a previous export, which export.overwrite may replace: a Hugging Face
+# model (config.json + safetensors weights) or a PEFT adapter (adapter_config.json).
+EXPORT_MARKS = (("config.json", "model.safetensors"), ("config.json", "model.safetensors.index.json"),
+                ("adapter_config.json",))  # fmt: skip
+
+
+def is_export(out: Path) -> bool:
+    """An empty directory, or one holding a Hugging Face model or PEFT adapter (not a link)."""
+    if out.is_symlink() or not out.is_dir():
+        return False
+    return not any(out.iterdir()) or any(all((out / f).is_file() for f in m) for m in EXPORT_MARKS)
+
+
 def check_output(out: Path, overwrite: bool) -> None:
-    """An existing export (e.g. the hf_model/ a run wrote at its end) is replaced only when asked."""
-    if out.exists() and not overwrite:
+    """An existing export (e.g. the hf_model/ a run wrote at its end) is replaced only when asked,
+    and only when it is one: export.overwrite never removes a directory that holds anything else."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not overwrite:
         raise FtcoreError(f"{out} already exists", field="export.output",
                           fix="export.output=NEW_DIR, or export.overwrite=true to replace it")  # fmt: skip
+    if not is_export(out):
+        raise FtcoreError(
+            f"{out} holds no previous export (no config.json with safetensors weights, no "
+            "adapter_config.json): export.overwrite replaces only an export, it is left untouched",
+            field="export.output",
+            fix="export.output=NEW_DIR (a new or empty directory, or an earlier export)",
+        )
 
 
 if __name__ == "__main__":

@@ -187,3 +187,39 @@ def test_cli_resume_of_a_payload_checkpoint_exits_2(saved, tmp_path):
     line = error_line(proc)
     assert "checkpoint.resume:" in line and ".metadata is not checkpoint metadata" in line, line
     assert not marker.exists()
+
+
+def test_export_overwrite_removes_only_a_previous_export(saved, tmp_path):
+    """Issue 46: export.overwrite=true with export.output at a directory that holds no export
+    (here a stand-in for $HOME) exits 2 and leaves it untouched."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("key")
+    (home / "notes.txt").write_text("mine")
+    before = sorted(str(p.relative_to(home)) for p in home.rglob("*"))
+    proc = cli("export", f"export.checkpoint={saved[0]}", f"export.output={home}",
+               "export.overwrite=true", cwd=tmp_path)  # fmt: skip
+    line = error_line(proc)
+    assert "export.output:" in line and "holds no previous export" in line, line
+    assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == before
+
+
+def test_what_counts_as_a_previous_export(tmp_path):
+    from ftcore.export import check_output
+
+    model, adapter, empty, other = (tmp_path / n for n in ("model", "adapter", "empty", "other"))
+    for d in (model, adapter, empty, other):
+        d.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    (adapter / "adapter_config.json").write_text("{}")
+    (other / "config.json").write_text("{}")  # a config alone is not an export
+    for d in (model, adapter, empty):
+        check_output(d, overwrite=True)
+    link = tmp_path / "link"
+    link.symlink_to(model)
+    for d in (other, link):
+        with pytest.raises(FtcoreError, match="holds no previous export"):
+            check_output(d, overwrite=True)
+    with pytest.raises(FtcoreError, match="already exists"):
+        check_output(model, overwrite=False)
