@@ -80,6 +80,13 @@ def task(cfg: DictConfig) -> int | None:
     run_cfg = run_config(step_dir)
     run_dir = step_dir.parent.parent
     adapter = run_cfg.peft.get("name", "none") != "none"  # LoRA checkpoints hold the adapters only
+    from ftcore.data.tokenizer import tokenizer_source
+
+    tok, _ = tokenizer_source(run_cfg)  # checked before anything is written; never downloaded
+    if not adapter and not Path(tok).expanduser().is_dir():
+        raise FtcoreError(f"the run's tokenizer {tok} (model.tokenizer / model.hf_path in its "
+                          "config.yaml) is not a local directory", field="export.checkpoint",
+                          fix="export where the run's tokenizer directory exists")  # fmt: skip
     default = run_dir / ("hf_adapter" if adapter and not cfg.export.merge else "hf_model")
     out = Path(cfg.export.output or default)
     check_output(out, cfg.export.overwrite)

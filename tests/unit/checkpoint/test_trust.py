@@ -223,3 +223,24 @@ def test_what_counts_as_a_previous_export(tmp_path):
             check_output(d, overwrite=True)
     with pytest.raises(FtcoreError, match="already exists"):
         check_output(model, overwrite=False)
+
+
+def test_export_never_takes_a_hub_name_for_the_tokenizer(saved, tmp_path):
+    """Issue 46: a config.yaml naming a Hub id as its tokenizer is refused before anything is
+    written (export never downloads)."""
+    run = tmp_path / "run"
+    shutil.copytree(saved[0], run)
+    for f in (run / "checkpoints" / "step_1" / "config.yaml", run / "config.yaml"):
+        if f.is_file():
+            f.write_text(
+                f.read_text().replace("tokenizer: null", "tokenizer: meta-llama/Llama-3.1-8B")
+            )
+    from ftcore.checkpoint import files
+
+    files.write_manifest(run / "checkpoints" / "step_1", {"step": 1})  # config.yaml changed
+    out = tmp_path / "hf"
+    line = error_line(
+        cli("export", f"export.checkpoint={run}", f"export.output={out}", cwd=tmp_path)
+    )
+    assert "meta-llama/Llama-3.1-8B" in line and "not a local directory" in line, line
+    assert not out.exists() and not list(tmp_path.glob(".hf*"))
