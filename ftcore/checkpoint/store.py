@@ -225,6 +225,7 @@ def resolve(state) -> Path | None:
                               fix="a step_<N> directory, auto or never")  # fmt: skip
         return path
     root = ckpt_root(state)
+    _check_own(state.run_dir, root)
     found = files.scan(root)
     published = found.published
     if _rank0(state):
@@ -245,6 +246,34 @@ def resolve(state) -> Path | None:
             fix="point checkpoints/latest at a complete step_<N> directory, or checkpoint.resume=never",
         )
     return published
+
+
+def _check_own(run_dir: Path, root: Path) -> None:
+    """checkpoint.resume=auto loads only from a run directory this user created: on a shared
+    file system anyone who can write the output directory could pre-create the next job's
+    `slurm-<id>/checkpoints/` (job ids are public). Another owner's is refused unless named."""
+    latest = root / "latest"
+    for p in (run_dir, root, latest):
+        try:
+            uid = os.lstat(p).st_uid
+        except FileNotFoundError:
+            continue
+        if uid != os.getuid():
+            raise FtcoreError(
+                f"{p} belongs to user id {uid}, not to you (uid {os.getuid()}): a run directory you "
+                "did not create is never resumed from automatically",
+                field="checkpoint.resume",
+                fix="run.dir=<a new directory>, or name the checkpoint if you trust it "
+                f"(checkpoint.resume={root}/step_<N>), or checkpoint.resume=never",
+            )
+    if latest.is_file():
+        step = safe_files.read_latest(root, "checkpoint.resume")
+        if step is not None and step.exists() and os.lstat(step).st_uid != os.getuid():
+            raise FtcoreError(
+                f"{step} belongs to user id {os.lstat(step).st_uid}, not to you",
+                field="checkpoint.resume",
+                fix=f"checkpoint.resume={step} if you trust it, else checkpoint.resume=never",
+            )
 
 
 def _step_of(path: Path | None) -> int:

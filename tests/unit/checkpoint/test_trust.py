@@ -244,3 +244,17 @@ def test_export_never_takes_a_hub_name_for_the_tokenizer(saved, tmp_path):
     )
     assert "meta-llama/Llama-3.1-8B" in line and "not a local directory" in line, line
     assert not out.exists() and not list(tmp_path.glob(".hf*"))
+
+
+def test_a_run_directory_of_another_user_is_not_resumed_automatically(saved, tmp_path, monkeypatch):
+    """Issue 46: checkpoint.resume=auto refuses a run directory (or its checkpoints/, latest or
+    step) another user owns, as a pre-created `slurm-<next id>/` would be; naming it is allowed."""
+    run = tmp_path / "run"
+    shutil.copytree(saved[0], run)
+    me = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: me + 1)  # as another user sees this directory
+    with pytest.raises(FtcoreError, match=r"checkpoint\.resume: .*belongs to user id"):
+        store.resolve(_run_state(run))
+    step = run / "checkpoints" / "step_1"
+    assert store.resolve(_run_state(run, str(step))) == step  # named explicitly: the user's call
+    assert store.resolve(_run_state(run, "never")) is None
