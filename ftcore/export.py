@@ -26,8 +26,10 @@ def resolve_step_dir(path: str) -> Path:
         if (root / ".metadata").is_file():
             return root
         latest = root / "latest"
-        if latest.is_file():
-            step = root / latest.read_text().strip()
+        if latest.is_file() or latest.is_symlink():
+            from ftcore.runtime.safe_files import read_latest
+
+            step = read_latest(root, "export.checkpoint")  # exactly step_<N>, in this directory
             if (step / ".metadata").is_file():
                 return step
             raise FtcoreError(
@@ -72,9 +74,19 @@ def task(cfg: DictConfig) -> int | None:
         raise FtcoreError("no checkpoint given", field="export.checkpoint",
                           fix="export.checkpoint=<run.dir>/checkpoints/step_<N>")  # fmt: skip
     step_dir = resolve_step_dir(cfg.export.checkpoint)
+    from ftcore.checkpoint.files import check_manifest
+
+    check_manifest(step_dir, checksums=True, field="export.checkpoint")  # as resume checks it
     run_cfg = run_config(step_dir)
     run_dir = step_dir.parent.parent
     adapter = run_cfg.peft.get("name", "none") != "none"  # LoRA checkpoints hold the adapters only
+    from ftcore.data.tokenizer import tokenizer_source
+
+    tok, _ = tokenizer_source(run_cfg)  # checked before anything is written; never downloaded
+    if not adapter and not Path(tok).expanduser().is_dir():
+        raise FtcoreError(f"the run's tokenizer {tok} (model.tokenizer / model.hf_path in its "
+                          "config.yaml) is not a local directory", field="export.checkpoint",
+                          fix="export where the run's tokenizer directory exists")  # fmt: skip
     default = run_dir / ("hf_adapter" if adapter and not cfg.export.merge else "hf_model")
     out = Path(cfg.export.output or default)
     check_output(out, cfg.export.overwrite)
@@ -90,11 +102,34 @@ def task(cfg: DictConfig) -> int | None:
     return None
 
 
+# What makes a directory a previous export, which export.overwrite may replace: a Hugging Face
+# model (config.json + safetensors weights) or a PEFT adapter (adapter_config.json).
+EXPORT_MARKS = (("config.json", "model.safetensors"), ("config.json", "model.safetensors.index.json"),
+                ("adapter_config.json",))  # fmt: skip
+
+
+def is_export(out: Path) -> bool:
+    """An empty directory, or one holding a Hugging Face model or PEFT adapter (not a link)."""
+    if out.is_symlink() or not out.is_dir():
+        return False
+    return not any(out.iterdir()) or any(all((out / f).is_file() for f in m) for m in EXPORT_MARKS)
+
+
 def check_output(out: Path, overwrite: bool) -> None:
-    """An existing export (e.g. the hf_model/ a run wrote at its end) is replaced only when asked."""
-    if out.exists() and not overwrite:
+    """An existing export (e.g. the hf_model/ a run wrote at its end) is replaced only when asked,
+    and only when it is one: export.overwrite never removes a directory that holds anything else."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not overwrite:
         raise FtcoreError(f"{out} already exists", field="export.output",
                           fix="export.output=NEW_DIR, or export.overwrite=true to replace it")  # fmt: skip
+    if not is_export(out):
+        raise FtcoreError(
+            f"{out} holds no previous export (no config.json with safetensors weights, no "
+            "adapter_config.json): export.overwrite replaces only an export, it is left untouched",
+            field="export.output",
+            fix="export.output=NEW_DIR (a new or empty directory, or an earlier export)",
+        )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ slurmd itself is reached at, so the master address is the first node's NodeAddr.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -19,6 +20,10 @@ from dataclasses import asdict, dataclass
 # the port at the moment the rendezvous binds it, failing a start or a requeue with EADDRINUSE.
 DEFAULT_PORT_BASE = 12000
 PORT_SPREAD = 20000
+# A per-job secret the batch shell draws at the start of each attempt (slurm/common.sh) and srun
+# passes to every node's launcher: the port comes from it, not from public facts (the job id, which
+# everyone sees in squeue). Set but empty: a dry run, where the port is chosen when the job starts.
+SECRET_ENV = "FTCORE_RENDEZVOUS_SECRET"
 
 
 @dataclass
@@ -30,7 +35,7 @@ class Layout:
     node_rank: int
     nproc_per_node: int
     master_addr: str
-    master_port: int
+    master_port: int | None  # None: a dry run; drawn from the job's secret when it starts
     nodes: list[str]
 
     @property
@@ -87,12 +92,19 @@ def gpus_on_node(env: dict[str, str]) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def master_port(env: dict[str, str]) -> int:
-    """MASTER_PORT if set, else one derived from the job id: the same on every node and after a
-    requeue, and different for two jobs sharing a node."""
+def master_port(env: dict[str, str]) -> int | None:
+    """MASTER_PORT if set; else one drawn from the job's secret (FTCORE_RENDEZVOUS_SECRET, set by
+    slurm/common.sh): the same on every node of an attempt, unknown to anyone who only sees the
+    job id; None in a dry run (the secret is drawn when the job starts). Without the scripts (a
+    bare srun) it falls back to the job id, which others can guess (docs/slurm.md)."""
     if env.get("MASTER_PORT"):
         return int(env["MASTER_PORT"])
     job = env.get("SLURM_JOB_ID", "0")
+    if SECRET_ENV in env:
+        if not env[SECRET_ENV]:
+            return None
+        digest = hashlib.sha256(f"{env[SECRET_ENV]}:{job}".encode()).digest()
+        return DEFAULT_PORT_BASE + int.from_bytes(digest[:8], "big") % PORT_SPREAD
     return DEFAULT_PORT_BASE + (int(job) % PORT_SPREAD if job.isdigit() else 0)
 
 

@@ -108,9 +108,14 @@ ftcore_run() {
 		printf 'srun command:'
 		printf ' %q' "${srun[@]}" "${launcher[@]}"
 		printf '\n'
-		SLURM_NODEID=0 "$python" -m ftcore.launch.node "${opts[@]}" --dry-run -- "${overrides[@]}"
+		# the rendezvous port is drawn from a secret when the job starts: none to print here
+		FTCORE_RENDEZVOUS_SECRET='' SLURM_NODEID=0 "$python" -m ftcore.launch.node "${opts[@]}" --dry-run -- "${overrides[@]}"
 		return
 	fi
+	# A secret per attempt, never written anywhere: srun passes it to every node's launcher, which
+	# draws the rendezvous port from it (launch/slurm_env.py), so the port is not the job id's.
+	FTCORE_RENDEZVOUS_SECRET=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n') || return 1
+	export FTCORE_RENDEZVOUS_SECRET
 
 	mkdir -p "$run_dir/logs" || return 1
 	rm -f "$FTCORE_STOP_FILE" # a stop request belongs to the attempt that made it

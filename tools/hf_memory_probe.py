@@ -28,7 +28,9 @@ def make(path: str) -> None:
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).float()
     model.save_pretrained(path, max_shard_size="200MB")
-    AutoTokenizer.from_pretrained(str(bundled_tokenizer_dir())).save_pretrained(path)
+    AutoTokenizer.from_pretrained(
+        str(bundled_tokenizer_dir()), trust_remote_code=False
+    ).save_pretrained(path)
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters -> {path}")
 
 

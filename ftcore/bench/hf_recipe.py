@@ -134,7 +134,7 @@ def train_hf(spec: dict) -> dict:
         torch.set_num_threads(int(spec["threads"]))
     cfg = compose(list(spec["overrides"]))
     warmup = int(spec.get("warmup", 0))
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"], trust_remote_code=False)
     train_rows, groups, val_rows = load_rows(cfg, tokenizer, warmup)
     p = cfg.peft
     model = lora_model(spec["model_dir"], r=p.r, alpha=p.lora_alpha, targets=p.target_modules,
@@ -178,7 +178,7 @@ def lora_model(model_dir, *, r, alpha, targets, dropout=0.0, rslora=False, seed=
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, trust_remote_code=False,
                                                  attn_implementation="sdpa")  # fmt: skip
     lora = LoraConfig(r=int(r), lora_alpha=float(alpha), lora_dropout=float(dropout),
                       target_modules=[str(t) for t in targets], use_rslora=bool(rslora),

@@ -25,6 +25,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from ftcore.errors import FtcoreError
+from ftcore.runtime import safe_files
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp_step_"
@@ -46,12 +47,12 @@ def _gather(obj) -> list:
     return out
 
 
-def _raise_first(errors: list, path: Path, fix: str) -> None:
+def _raise_first(errors: list, path: Path, fix: str, field: str = "checkpoint") -> None:
     """Collective: every rank raises the same FtcoreError if any rank found a problem."""
     found = [e for errs in _gather(errors) for e in errs]
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        raise FtcoreError(found[0] + more, field="checkpoint", fix=fix)
+        raise FtcoreError(found[0] + more, field=field, fix=fix)
 
 
 def _crc32(path: Path) -> int:
@@ -70,12 +71,11 @@ def _files(path: Path) -> list[str]:
 
 def verify_written(path: Path, sharded_sd: dict) -> None:
     """Collective. Raises (on every rank) if the checkpoint megatron just wrote is not whole."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     errors = []
     try:
-        md = FileSystemReader(str(path)).read_metadata()
+        md = safe_files.read_metadata(path / ".metadata", field="checkpoint")
     except Exception as e:  # noqa: BLE001 - reported below, collectively
         md, errors = None, [f"{path}/.metadata unreadable after save: {e}"]
     if md is not None:
@@ -119,36 +119,37 @@ def write_manifest(path: Path, extra: dict) -> None:
     if rank == 0:
         body = dict(extra, files={k: merged[k] for k in sorted(merged)})
         tmp = path / (MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(body, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        safe_files.write_exclusive(tmp, json.dumps(body, indent=1).encode())
         os.replace(tmp, path / MANIFEST)
 
 
-def read_manifest(path: Path) -> dict:
+def read_manifest(path: Path, field: str = "checkpoint.resume") -> dict:
     m = path / MANIFEST
     if not m.is_file():
         raise FtcoreError(
             f"{m} is missing: {path} is not a complete ftcore checkpoint",
-            field="checkpoint.resume",
+            field=field,
             fix="point checkpoints/latest (or checkpoint.resume) at a complete step_<N> directory",
         )
     try:
         return json.loads(m.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FtcoreError(f"{m} is corrupt ({e})", field="checkpoint.resume",
+        raise FtcoreError(f"{m} is corrupt ({e})", field=field,
                           fix="resume from an earlier step_<N> (checkpoint.resume=PATH)") from e  # fmt: skip
 
 
-def check_manifest(path: Path, checksums: bool) -> None:
-    """Collective: every file of the manifest present, same size and (optionally) same CRC32."""
+def check_manifest(path: Path, checksums: bool, field: str | None = None) -> None:
+    """Collective: every file of the manifest present, same size and (optionally) same CRC32.
+    `field`: the key an error names (export.checkpoint for ftcore.export; resume's by default)."""
     rank, world = _rank_world()
     errors = []
-    files = sorted(read_manifest(path)["files"].items())  # the same file for all: all raise alike
+    manifest = read_manifest(path, field or "checkpoint.resume")
+    files = sorted(manifest["files"].items())  # the same file for all: all raise alike
     for rel, (size, crc) in files[rank::world]:
         f = path / rel
-        if not f.is_file():
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            errors.append(f"{path / MANIFEST} names {rel}, outside the checkpoint")
+        elif not f.is_file():
             errors.append(f"checkpoint file {f} is missing")
         elif f.stat().st_size != size:
             errors.append(
@@ -158,8 +159,9 @@ def check_manifest(path: Path, checksums: bool) -> None:
             errors.append(
                 f"checkpoint file {f} is corrupt: its checksum differs from the one written"
             )
-    _raise_first(errors, path, "resume from an earlier step_<N> (checkpoint.resume=PATH), or "
-                 "checkpoint.resume=never to start over")  # fmt: skip
+    fix = ("resume from an earlier step_<N> (checkpoint.resume=PATH), or checkpoint.resume=never "
+           "to start over") if field is None else f"{field}=<an earlier checkpoints/step_<N>>"  # fmt: skip
+    _raise_first(errors, path, fix, field or "checkpoint")
 
 
 @dataclass
@@ -172,8 +174,7 @@ class Scan:
 
 
 def scan(root: Path) -> Scan:
-    latest = root / "latest"
-    published = root / latest.read_text().strip() if latest.is_file() else None
+    published = safe_files.read_latest(root, "checkpoint.resume")
     complete, incomplete = [], []
     if root.is_dir():
         for d in sorted(root.iterdir()):

@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ftcore.checkpoint import files, resume
 from ftcore.errors import FtcoreError
-from ftcore.runtime import cpu
+from ftcore.runtime import cpu, safe_files
 
 log = logging.getLogger("ftcore")
 
@@ -174,10 +175,7 @@ def _config_yaml(state) -> str:
 
 def _publish_latest(root: Path, name: str) -> None:
     tmp = root / ".latest.tmp"
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    safe_files.write_exclusive(tmp, (name + "\n").encode())
     os.replace(tmp, root / "latest")
     _fsync_dir(root)
 
@@ -227,6 +225,7 @@ def resolve(state) -> Path | None:
                               fix="a step_<N> directory, auto or never")  # fmt: skip
         return path
     root = ckpt_root(state)
+    _check_own(state.run_dir, root)
     found = files.scan(root)
     published = found.published
     if _rank0(state):
@@ -249,6 +248,34 @@ def resolve(state) -> Path | None:
     return published
 
 
+def _check_own(run_dir: Path, root: Path) -> None:
+    """checkpoint.resume=auto loads only from a run directory this user created: on a shared
+    file system anyone who can write the output directory could pre-create the next job's
+    `slurm-<id>/checkpoints/` (job ids are public). Another owner's is refused unless named."""
+    latest = root / "latest"
+    for p in (run_dir, root, latest):
+        try:
+            uid = os.lstat(p).st_uid
+        except FileNotFoundError:
+            continue
+        if uid != os.getuid():
+            raise FtcoreError(
+                f"{p} belongs to user id {uid}, not to you (uid {os.getuid()}): a run directory you "
+                "did not create is never resumed from automatically",
+                field="checkpoint.resume",
+                fix="run.dir=<a new directory>, or name the checkpoint if you trust it "
+                f"(checkpoint.resume={root}/step_<N>), or checkpoint.resume=never",
+            )
+    if latest.is_file():
+        step = safe_files.read_latest(root, "checkpoint.resume")
+        if step is not None and step.exists() and os.lstat(step).st_uid != os.getuid():
+            raise FtcoreError(
+                f"{step} belongs to user id {os.lstat(step).st_uid}, not to you",
+                field="checkpoint.resume",
+                fix=f"checkpoint.resume={step} if you trust it, else checkpoint.resume=never",
+            )
+
+
 def _step_of(path: Path | None) -> int:
     try:
         return int(path.name.split("_")[-1]) if path is not None else -1
@@ -259,6 +286,8 @@ def _step_of(path: Path | None) -> int:
 def load(state, path: Path) -> list[str]:
     """Collective: check, load and restore `path` into the run; returns notes on what changed."""
     files.check_manifest(path, checksums=state.cfg.checkpoint.verify)
+    # data, never code: a pickle naming anything else is refused before megatron reads it
+    safe_files.read_metadata(path / ".metadata")
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
     except Exception as e:  # noqa: BLE001 - a corrupt common file must name itself
@@ -271,13 +300,13 @@ def load(state, path: Path) -> list[str]:
     resume.check_compatible(state, common["ftcore"], path)
     optimizer_note = resume.optimizer_loadable(state.cfg, common["ftcore"])
     try:
-        with cpu.device_mode():
+        with cpu.device_mode(), safe_files.megatron_readers():
             optim = common["ftcore"]["optim_format"] if optimizer_note is None else None
             sd = resume.sharded_state_dict(state, is_loading=True, optim=optim)
             loaded = dist_checkpointing.load(sd, str(path))
     except FtcoreError:
         raise
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # torch's is a BaseException
         raise FtcoreError(
             f"checkpoint {path} could not be loaded at this layout: {type(e).__name__}: {str(e)[:500]}",
             field="checkpoint.resume",

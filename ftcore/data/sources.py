@@ -9,12 +9,17 @@ in the local Hugging Face cache go through `datasets`, offline.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 from ftcore.errors import FtcoreError
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+# Bounds on one record (docs/data.md): beyond them it is a bad record (skipped and counted with
+# data.on_bad_record=skip), never a crash and never held whole in memory.
+MAX_RECORD_BYTES = 64 << 20  # 64 MiB: ~16M tokens of text, far beyond any seq_len
+MAX_DEPTH = 64  # lists/objects inside one another; chat records nest 3 deep
 
 
 class RecordError(ValueError):
@@ -83,16 +88,23 @@ def iter_records(files: list[Path] | str) -> Iterator[tuple[str, object]]:
 
 def _json_records(f: Path) -> Iterator[tuple[str, object]]:
     """JSONL read line by line (never the whole file at once, so a file larger than memory
-    streams); a `.json` file holding an array is parsed whole (_json_array)."""
+    streams, and never a whole line longer than MAX_RECORD_BYTES); a `.json` file holding an
+    array is parsed whole (_json_array)."""
     with open(f, "rb") as fh:
         head = fh.read(4096)
         if f.suffix == ".json" and head.lstrip()[:1] == b"[":
             yield from _json_array(f, head + fh.read())
             return
         fh.seek(0)
-        seen = False
-        for n, raw in enumerate(fh, start=1):
+        seen, n = False, 0
+        while raw := fh.readline(MAX_RECORD_BYTES + 1):
+            n += 1
             seen, where = seen or bool(raw.strip()), f"{f}:{n}"
+            if len(raw) > MAX_RECORD_BYTES and not raw.endswith(b"\n"):
+                while (more := fh.readline(1 << 20)) and not more.endswith(b"\n"):
+                    pass  # the rest of the line, never held whole
+                yield where, RecordError(where, _too_large())
+                continue
             try:
                 line = raw.rstrip(b"\n").decode("utf-8")
             except UnicodeDecodeError as e:
@@ -100,18 +112,73 @@ def _json_records(f: Path) -> Iterator[tuple[str, object]]:
                 continue
             if not line.strip():
                 continue
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as e:
-                yield where, RecordError(where, f"malformed JSON: {e.msg} (column {e.colno})")
+            yield where, _parse(where, line)
     if not seen:
         raise FtcoreError(
             f"{f} is empty", field="data.path", fix="give a file with at least one record"
         )
 
 
+def _too_large() -> str:
+    return f"record longer than {MAX_RECORD_BYTES} bytes (ftcore's limit per record)"
+
+
+def _parse(where: str, text: str) -> object:
+    """One JSON record, or the RecordError that says why not (malformed, too deep)."""
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError as e:
+        return RecordError(where, f"malformed JSON: {e.msg} (column {e.colno})")
+    except RecursionError:
+        return RecordError(where, _too_deep())
+    return RecordError(where, _too_deep()) if _deeper_than(rec, text, MAX_DEPTH) else rec
+
+
+def _too_deep() -> str:
+    return f"record nested deeper than {MAX_DEPTH} levels (ftcore's limit)"
+
+
+def _deeper_than(rec: object, text: str, limit: int) -> bool:
+    """Whether `rec` nests lists/objects more than `limit` deep (only walked when its text holds
+    that many brackets, so ordinary records cost one count)."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    level = [rec] if isinstance(rec, (list, dict)) else []  # the containers at depth 1, 2, ...
+    for _ in range(limit):
+        level = [
+            c
+            for x in level
+            for c in (x.values() if isinstance(x, dict) else x)
+            if isinstance(c, (list, dict))
+        ]
+        if not level:
+            return False
+    return True
+
+
+_VALUE_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def _skip_value(text: str, pos: int) -> int:
+    """The end of the JSON value starting at `pos` by bracket depth (strings skipped), for a
+    value too deep to decode; len(text) if it never closes."""
+    depth = 0
+    for m in _VALUE_TOKEN.finditer(text, pos):
+        c = m.group()
+        if c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+        if depth <= 0:
+            return m.end()
+    return len(text)
+
+
 def _json_array(f: Path, data: bytes) -> Iterator[tuple[str, object]]:
-    """A JSON array of records; a syntax error stops the file (nothing after it can be trusted)."""
+    """A JSON array of records, decoded element by element in one pass (each element's line is
+    counted from the previous one: linear in the file); a syntax error stops the file before any
+    record is used (nothing after it can be trusted); an element too deep or too large is a bad
+    record, as a JSONL line would be."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -119,21 +186,45 @@ def _json_array(f: Path, data: bytes) -> Iterator[tuple[str, object]]:
         raise FtcoreError(
             f"{f}:{line}: invalid UTF-8", field="data.path", fix="re-encode the file as UTF-8"
         ) from None
-    try:
-        records = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise FtcoreError(
-            f"{f}:{e.lineno}: malformed JSON: {e.msg}", field="data.path", fix="fix the file"
-        ) from None
-    # Line of each element: decode the array element by element to learn where each one starts.
-    dec, pos, lines = json.JSONDecoder(), text.index("[") + 1, []
-    for _ in records:
-        while text[pos] in " \t\r\n,":
-            pos += 1
-        lines.append(text.count("\n", 0, pos) + 1)
-        _, pos = dec.raw_decode(text, pos)
-    for line, rec in zip(lines, records):
-        yield f"{f}:{line}", rec
+
+    def malformed(lineno: int, msg: str) -> FtcoreError:
+        return FtcoreError(
+            f"{f}:{lineno}: malformed JSON: {msg}", field="data.path", fix="fix the file"
+        )
+
+    dec, out = json.JSONDecoder(), []
+    pos, line, counted = text.index("[") + 1, 1, 0
+    space = re.compile(r"[ \t\r\n]*")
+    pos = space.match(text, pos).end()
+    if text.startswith("]", pos):
+        pos += 1
+    else:
+        while True:
+            line += text.count("\n", counted, pos)
+            counted, where = pos, f"{f}:{line}"
+            try:
+                rec, end = dec.raw_decode(text, pos)
+            except json.JSONDecodeError as e:
+                raise malformed(e.lineno, e.msg) from None
+            except RecursionError:
+                rec, end = RecordError(where, _too_deep()), _skip_value(text, pos)
+            if end - pos > MAX_RECORD_BYTES:
+                rec = RecordError(where, _too_large())
+            elif not isinstance(rec, RecordError) and _deeper_than(rec, text[pos:end], MAX_DEPTH):
+                rec = RecordError(where, _too_deep())
+            out.append((where, rec))
+            pos = space.match(text, end).end()
+            if text.startswith(",", pos):
+                pos = space.match(text, pos + 1).end()
+            elif text.startswith("]", pos):
+                pos += 1
+                break
+            else:
+                lineno = line + text.count("\n", counted, pos)
+                raise malformed(lineno, "expected ',' or ']' after a record")
+    if text[pos:].strip():
+        raise malformed(line + text.count("\n", counted, pos), "extra data after the array")
+    yield from out
 
 
 def _dataset_rows(f, ds) -> Iterator[tuple[str, object]]:

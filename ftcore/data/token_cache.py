@@ -7,13 +7,16 @@ after the first token, what the data report counts without reading the tokens). 
 written as the records stream in, under a temporary name (`<digest>.tmp-<host>-<pid>-<random>`),
 and the directory is renamed whole once complete: a reader sees a complete entry or none. The
 header repeats the cache key and the array sizes, so an entry written for other data, another
-tokenizer or other settings, or cut short, is refused and rebuilt. Reading through np.memmap
+tokenizer or other settings, or cut short, is refused and rebuilt; it also holds a SHA-256 of
+itself and of `offsets.bin` (an altered header or document index is rebuilt too), and an entry
+that another user owns is refused (data.cache_dir may be shared, but never trusted). Reading through np.memmap
 shares the pages through the page cache: the ranks of a node hold one copy, and only the pages
 they touch are resident.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -22,6 +25,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from ftcore.errors import FtcoreError
 
 ARRAYS = {"ids": np.int32, "targets": np.bool_, "offsets": np.int64, "learn": np.int32}
 SUFFIX = ".tok"
@@ -68,6 +73,7 @@ class Writer:
         for f in self.files.values():
             f.close()
         header = {"key": self.key, "tokens": self.tokens, "docs": self.docs, **meta}
+        header["checksum"] = _checksum(header, self.tmp)
         (self.tmp / "header.json").write_text(json.dumps(header))
         if self.final.exists() and read_header(self.final, self.key) is None:
             _discard(self.final)  # stale or broken: replaced by this one
@@ -84,8 +90,40 @@ class Writer:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def _checksum(header: dict, entry: Path) -> str:
+    """SHA-256 of the header (without its checksum) and of offsets.bin."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in header.items() if k != "checksum"},
+                                  sort_keys=True).encode())  # fmt: skip
+    with open(entry / "offsets.bin", "rb") as f:
+        while chunk := f.read(1 << 23):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_owner(entry: Path) -> None:
+    """The entry and its files belong to this user and are not links: a shared data.cache_dir
+    may hold entries others wrote, which are never read."""
+    for p in [entry, *(entry / f"{k}.bin" for k in ARRAYS), entry / "header.json"]:
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue  # incomplete: read_header says so
+        if st.st_uid != os.getuid() or os.path.islink(p):
+            raise FtcoreError(
+                f"cache entry {p} belongs to user id {st.st_uid}, not to you (uid {os.getuid()})"
+                if st.st_uid != os.getuid()
+                else f"cache entry {p} is a symbolic link",
+                field="data.cache_dir",
+                fix="data.cache_dir=<a directory of your own> (ftcore never reads a token cache "
+                "another user wrote)",
+            )
+
+
 def read_header(entry: Path, key: str) -> dict | None:
-    """The header of a complete entry written for `key`, else None."""
+    """The header of a complete entry written for `key` by this user, else None (FtcoreError for
+    an entry another user owns)."""
+    if entry.exists() or entry.is_symlink():
+        _check_owner(entry)
     try:
         header = json.loads((entry / "header.json").read_text())
         sizes = {"ids": header["tokens"], "targets": header["tokens"]}
@@ -95,6 +133,8 @@ def read_header(entry: Path, key: str) -> dict | None:
         for k, n in sizes.items():
             if (entry / f"{k}.bin").stat().st_size != n * np.dtype(ARRAYS[k]).itemsize:
                 return None
+        if header.get("checksum") != _checksum(header, entry):
+            return None  # altered (or written before checksums): rebuilt
         return header
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -21,17 +21,24 @@ def tokenizer_source(cfg) -> tuple[str, str]:
     return str(bundled_tokenizer_dir()), "model.tokenizer"
 
 
-def from_directory(path) -> object:
+def from_directory(path, field: str = "model.tokenizer") -> object:
     """AutoTokenizer.from_pretrained(path), except for the bundled tokenizer: a
     PreTrainedTokenizerFast by its tokenizer_config.json, built as that class directly (the same
     object: tests/unit/data/test_tokenizer.py). AutoTokenizer first indexes every model package of
-    transformers to resolve a class name (~1.3 s of CPU), in every process that loads one."""
+    transformers to resolve a class name (~1.3 s of CPU), in every process that loads one.
+    Only a local directory (never a Hub id: nothing is downloaded), and never its own code."""
     import transformers
 
     p = Path(path).expanduser()
+    if not p.is_dir():
+        raise FtcoreError(
+            f"tokenizer {path} is not a local directory (a Hub name is never downloaded)",
+            field=field,
+            fix="a local Hugging Face directory holding tokenizer.json / tokenizer_config.json",
+        )
     if p.resolve() == bundled_tokenizer_dir().resolve():
         return transformers.PreTrainedTokenizerFast.from_pretrained(str(p))
-    return transformers.AutoTokenizer.from_pretrained(str(p))
+    return transformers.AutoTokenizer.from_pretrained(str(p), trust_remote_code=False)
 
 
 def load_tokenizer(cfg):

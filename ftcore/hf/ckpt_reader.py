@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ftcore.errors import FtcoreError
+from ftcore.runtime import safe_files
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # megatron's local spec saves its norms under Transformer Engine's names
@@ -46,14 +47,12 @@ class _Targets:
 
 class CheckpointReader:
     def __init__(self, step_dir: str | Path):
-        from torch.distributed.checkpoint import FileSystemReader
-
         self.dir = Path(step_dir)
         if not (self.dir / ".metadata").is_file():
             raise FtcoreError(f"{self.dir} is not a dist_checkpointing checkpoint (no .metadata)",
                               field="export.checkpoint", fix="point it at checkpoints/step_<N> of a run")  # fmt: skip
-        self.reader = FileSystemReader(str(self.dir))
-        self.md = self.reader.read_metadata()
+        self.reader = safe_files.reader(self.dir, field="export.checkpoint")
+        self.md = self.reader.read_metadata()  # data only: a pickle that names code is refused
         try:
             self.reader.set_up_storage_reader(self.md, True)
         except TypeError:

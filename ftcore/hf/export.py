@@ -79,7 +79,7 @@ def write_metadata(out: Path, model_cfg, dtype: torch.dtype, tokenizer_dir: str 
     if tokenizer_dir:
         from ftcore.data.tokenizer import from_directory
 
-        tok = from_directory(tokenizer_dir)
+        tok = from_directory(tokenizer_dir, "export.checkpoint")  # a directory, never the Hub
         tok.save_pretrained(str(out))
     cfg = hf_config_dict(model_cfg, dtype=DTYPE_JSON[dtype], tokenizer=tok)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

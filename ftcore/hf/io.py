@@ -26,6 +26,7 @@ log = logging.getLogger("ftcore")
 INDEX = "model.safetensors.index.json"
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+MAX_HEADER = 100_000_000  # bytes: safetensors' own bound on a header (100 MB)
 
 
 def _header(path: Path, field: str, wanted: str | None = None) -> dict:
@@ -38,13 +39,18 @@ def _header(path: Path, field: str, wanted: str | None = None) -> dict:
     try:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
+            if n > MAX_HEADER:  # refused before a byte of it is read (safetensors' own limit)
+                raise ValueError(f"header of {n} bytes, over safetensors' {MAX_HEADER}-byte limit")
             if n > size - 8:
                 raise ValueError("header longer than the file")
             header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error) as e:
-        raise FtcoreError(f"{path}{what} is not a readable safetensors file ({e})", field=field,
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                  default=0)  # fmt: skip
+    except (OSError, ValueError, struct.error, RecursionError, AttributeError, KeyError,
+            TypeError, IndexError) as e:  # fmt: skip
+        raise FtcoreError(f"{path}{what} is not a readable safetensors file ({type(e).__name__}: "
+                          f"{str(e)[:200]})", field=field,
                           fix="re-download or re-save the shard") from e  # fmt: skip
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end > size:
         raise FtcoreError(f"{path}{what} is truncated: {size} bytes, its header needs {8 + n + end}",
                           field=field, fix="re-download or re-save the shard")  # fmt: skip

@@ -71,11 +71,11 @@ def _adapter_base(adapter: str) -> tuple[str, str] | None:
     base = read_adapter_config(adapter).get("base_model_name_or_path")
     if not base:
         return None
-    path = Path(base).expanduser()
+    path = Path(base)  # only an absolute path: a relative one would resolve against the cwd
     bundled = path.is_absolute() and path.parent.resolve() == assets_dir().resolve()
     if bundled and (path / "config.json").is_file():
         return "init_path", path.name  # a bundled base, written as its absolute path
-    if (path / "config.json").is_file():
+    if path.is_absolute() and (path / "config.json").is_file():
         return "hf_path", str(path)
     if (assets_dir() / base).is_dir() and "/" not in base:
         return "init_path", base

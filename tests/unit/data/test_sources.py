@@ -70,6 +70,15 @@ BAD = {
     "invalid_utf8": ("instruction", b'{"instruction": "caf\xe9", "output": "x"}'),
     "not_an_object": ("instruction", b'["instruction", "output"]'),
     "missing_text": ("text", json.dumps({"txt": "x"}).encode()),
+    # issue 46: deeper than the JSON parser's recursion (RecursionError), and deeper than ftcore's 64
+    "deeply_nested": (
+        "instruction",
+        b'{"instruction": "x", "output": "y", "z": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    ),  # fmt: skip
+    "nested_65": (
+        "instruction",
+        b'{"instruction": "x", "output": "y", "z": ' + b"[" * 64 + b"]" * 64 + b"}",
+    ),  # fmt: skip
 }
 
 
@@ -232,3 +241,51 @@ def test_config_errors(tmp_path, tok):
 def test_default_cache_dir_is_outside_the_run(monkeypatch, tmp_path: Path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert tokenized.default_cache_dir() == tmp_path / "ftcore" / "data"
+
+
+def test_oversized_record_is_a_bad_record_with_its_line(tmp_path, tok, monkeypatch):
+    """Issue 46: a record over sources.MAX_RECORD_BYTES (lowered here) is never held whole: in JSONL
+    and in a .json array it is a bad record named by its line, skipped and counted with skip."""
+    from ftcore.data import sources
+
+    monkeypatch.setattr(sources, "MAX_RECORD_BYTES", 200)
+    big = {"instruction": "x" * 5000, "output": "y"}
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(lines(GOOD_I, GOOD_I, big, GOOD_I))
+    a = tmp_path / "d.json"
+    a.write_text("[\n" + ",\n".join(json.dumps(r) for r in (GOOD_I, GOOD_I, big, GOOD_I)) + "\n]\n")
+    for path, line in ((f, 3), (a, 4)):
+        with pytest.raises(FtcoreError, match=f"{path}:{line}: record longer than 200 bytes"):
+            build_train_loader(cfg_for(tmp_path, path), tok, 0, 1)
+        ld = build_train_loader(cfg_for(tmp_path, path, "data.on_bad_record=skip"), tok, 0, 1)
+        assert ld.report["bad_records"] == 1 and ld.report["samples"] == 3
+
+
+def test_json_array_nested_element_is_a_bad_record(tmp_path, tok):
+    f = tmp_path / "d.json"
+    deep = '{"instruction": "[{", "output": "y", "z": ' + "[" * 5000 + "]" * 5000 + "}"
+    f.write_text(f"[\n{json.dumps(GOOD_I)},\n{deep},\n{json.dumps(GOOD_I)}\n]\n")
+    with pytest.raises(FtcoreError, match=f"{f}:3: record nested deeper than 64 levels"):
+        build_train_loader(cfg_for(tmp_path, f), tok, 0, 1)
+    ld = build_train_loader(cfg_for(tmp_path, f, "data.on_bad_record=skip"), tok, 0, 1)
+    assert ld.report["bad_records"] == 1 and ld.report["samples"] == 2
+
+
+def test_json_array_parses_in_linear_time(tmp_path):
+    """Issue 46: a .json array of 50k small records reads about as fast as the same records as
+    JSONL (a complexity bound, not a benchmark: the quadratic line count took ~30x as long)."""
+    import time
+
+    from ftcore.data import sources
+
+    recs = [{"instruction": f"What is {i} + {i}?", "output": str(2 * i)} for i in range(50_000)]
+    (tmp_path / "d.json").write_text("[\n" + ",\n".join(map(json.dumps, recs)) + "\n]\n")
+    (tmp_path / "d.jsonl").write_text("\n".join(map(json.dumps, recs)) + "\n")
+    took = {}
+    for name in ("d.jsonl", "d.json"):
+        t0 = time.perf_counter()
+        got = list(sources.iter_records([tmp_path / name]))
+        took[name] = time.perf_counter() - t0
+        assert [r for _, r in got] == recs
+    assert got[-1][0] == f"{tmp_path / 'd.json'}:50001"
+    assert took["d.json"] < 3 * took["d.jsonl"] + 0.5, took

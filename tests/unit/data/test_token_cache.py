@@ -196,3 +196,26 @@ def test_worker_count():
     assert choose_workers(3, None) == 3 and choose_workers(1, 10 << 30) == 1
     assert choose_workers(0, AUTO_MIN_BYTES - 1) == 1 and choose_workers(0, None) == 1
     assert choose_workers(0, AUTO_MIN_BYTES) == min(usable_cpus(), 32)
+
+
+def test_an_altered_or_foreign_entry_is_never_read(tmp_path, tok, counted, monkeypatch):
+    """Issue 46: the header carries a checksum of itself and of the document offsets, so an entry
+    whose offsets (or header counts) were changed in place, sizes kept, is rebuilt; an entry another
+    user owns (a shared data.cache_dir) is refused with exit 2 naming the field."""
+    data = write_data(tmp_path / "d.jsonl")
+    cfg = cfg_for(tmp_path, data)
+    ref = batches(build_train_loader(cfg, tok, 0, 1))
+    (entry,) = entries(tmp_path)
+    offsets = np.fromfile(entry / "offsets.bin", np.int64)
+    offsets[1:-1] = offsets[1]  # every document but one made empty: same size, other content
+    offsets.tofile(entry / "offsets.bin")
+    got = batches(build_train_loader(cfg, tok, 0, 1))
+    assert len(counted) == 2 and all(np.array_equal(a, b) for a, b in zip(got, ref))
+    header = json.loads((entry / "header.json").read_text())
+    (entry / "header.json").write_text(json.dumps(header | {"bad_records": 7}))
+    build_train_loader(cfg, tok, 0, 1)
+    assert len(counted) == 3
+    me = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: me + 1)  # as another user sees this entry
+    with pytest.raises(FtcoreError, match=r"data\.cache_dir: cache entry .* belongs to user id"):
+        build_train_loader(cfg, tok, 0, 1)

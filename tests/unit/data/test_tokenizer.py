@@ -3,6 +3,7 @@ chat template, regenerated bit for bit by its script; load_tokenizer's choice an
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,26 @@ def test_bundled_loads_as_autotokenizer_does(tok, tmp_path: Path):
     config = tmp_path / "tk" / "tokenizer_config.json"
     config.write_text(config.read_text().replace("<|eot_id|>", "<|end_of_text|>"))
     assert from_directory(tmp_path / "tk").eos_token == "<|end_of_text|>"  # read, not assumed
+
+
+def test_a_tokenizer_is_a_local_directory_and_never_runs_its_code(tmp_path: Path):
+    """Issue 46: a Hub name is refused (never downloaded); a directory whose tokenizer_config.json
+    maps AutoTokenizer to its own module does not import it (trust_remote_code=False)."""
+    import shutil
+
+    from ftcore.data.tokenizer import bundled_tokenizer_dir, from_directory
+
+    with pytest.raises(FtcoreError, match="meta-llama/Llama-3.1-8B is not a local directory"):
+        from_directory("meta-llama/Llama-3.1-8B")
+    d = tmp_path / "tok"
+    shutil.copytree(bundled_tokenizer_dir(), d)
+    marker = tmp_path / "code_ran"
+    (d / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    conf = json.loads((d / "tokenizer_config.json").read_text())
+    conf["auto_map"] = {"AutoTokenizer": ["evil.EvilTokenizer", None]}
+    (d / "tokenizer_config.json").write_text(json.dumps(conf))
+    try:
+        from_directory(d)
+    except Exception:  # noqa: BLE001 - refusing is fine too; running the code is not
+        pass
+    assert not marker.exists()

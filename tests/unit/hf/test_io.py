@@ -99,3 +99,26 @@ def test_directory_without_index(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FtcoreError, match="holds no"):
         SafetensorsDir(tmp_path / "empty")
+
+
+def test_lying_header_length_is_refused_before_it_is_read(shards):
+    """Issue 46: a header length over safetensors' 100 MB bound is refused without allocating it,
+    even when the (sparse) file is long enough to hold it."""
+    import struct
+    import tracemalloc
+
+    f = shards / "a.safetensors"
+    with open(f, "wb") as fh:
+        fh.write(struct.pack("<Q", 300_000_000))
+        fh.truncate(400_000_000)  # sparse: no disk used
+    tracemalloc.start()
+    try:
+        with pytest.raises(FtcoreError, match="over safetensors' 100000000-byte limit") as e:
+            SafetensorsDir(shards).read(Piece("w"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "a.safetensors" in str(e.value) and peak < 10 << 20, peak
+    f.write_bytes(struct.pack("<Q", 2) + b"[]")  # a header that is not an object: exit 2 too
+    with pytest.raises(FtcoreError, match="not a readable safetensors file"):
+        SafetensorsDir(shards).read(Piece("w"))

@@ -388,3 +388,24 @@ def test_dockerfile_lints_clean():
     assert r.returncode == 0, r.stdout + r.stderr
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^FROM \$\{BASE_IMAGE\}", text, re.M) and "nvcr.io/nvidia/pytorch" in text
+
+
+def test_rendezvous_port_is_not_derivable_from_the_job_id(tmp_path):
+    """Issue 46: the scripts' dry runs for jobs 4242 and 24242 (equal mod 20000, the old spread)
+    print no port (it is drawn from a per-job secret when the job starts); from a secret, job ids
+    that agree modulo the spread get unrelated ports, and the same job id another secret's."""
+    ports = []
+    for job in ("4242", "24242"):
+        _, layout = render(SLURM / "tiny_cpu.sh", 1, None, tmp_path, SLURM_JOB_ID=job)
+        assert "master_port" in layout, layout
+        ports.append(layout["master_port"])
+    assert ports == [None, None], ports
+    secret = {slurm_env.SECRET_ENV: "0f" * 16}
+    same_mod = {
+        slurm_env.master_port({**secret, "SLURM_JOB_ID": str(j)}) for j in range(4242, 10**6, 20000)
+    }
+    assert len(same_mod) >= 45, same_mod  # 50 job ids that agree mod 20000: (nearly) all apart
+    assert min(same_mod) >= slurm_env.DEFAULT_PORT_BASE and max(same_mod) < 32768
+    job = {"SLURM_JOB_ID": "4242"}
+    drawn = {slurm_env.master_port({**job, slurm_env.SECRET_ENV: f"{i:032x}"}) for i in range(20)}
+    assert len(drawn) >= 18 and slurm_env.DEFAULT_PORT_BASE + 4242 not in drawn

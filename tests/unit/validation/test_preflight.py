@@ -78,6 +78,25 @@ def test_train_goes_on_training_an_adapter_on_the_base_it_names(tmp_path):
     assert e.value.field == "model.hf_path" and "meta-llama/Llama-3.1-8B" in str(e.value)
 
 
+def test_an_adapters_relative_base_is_not_resolved_against_the_cwd(tmp_path, monkeypatch):
+    """Issue 46: a downloaded adapter naming `some/dir` must not pick whatever base sits at that
+    path under the current directory; only an absolute path (or model.hf_path) names a base."""
+    from ftcore.config.preflight import use_adapter
+
+    (tmp_path / "models" / "base").mkdir(parents=True)  # someone else's base, where it points
+    (tmp_path / "models" / "base" / "config.json").write_text("{}")
+    ad = tiny_adapter(tmp_path / "hf_adapter", base="models/base")
+    monkeypatch.chdir(tmp_path)
+    cfg = use_adapter(compose(["peft=lora", f"peft.adapter_path={ad}"]), training=True)
+    assert not cfg.model.hf_path and not cfg.model.init_path
+    with pytest.raises(FtcoreError) as e:
+        validate(cfg, 1)
+    assert e.value.field == "model.hf_path" and "models/base" in str(e.value)
+    absolute = tiny_adapter(tmp_path / "abs_adapter", base=str(tmp_path / "models" / "base"))
+    cfg = use_adapter(compose(["peft=lora", f"peft.adapter_path={absolute}"]), training=True)
+    assert cfg.model.hf_path == str(tmp_path / "models" / "base")
+
+
 # ---- no adapters on a random base -------------------------------------------------------------
 
 
