@@ -81,7 +81,7 @@ def test_train_goes_on_training_an_adapter_on_the_base_it_names(tmp_path):
 def test_an_adapters_relative_base_is_not_resolved_against_the_cwd(tmp_path, monkeypatch):
     """Issue 46: a downloaded adapter naming `some/dir` must not pick whatever base sits at that
     path under the current directory; only an absolute path (or model.hf_path) names a base."""
-    from ftcore.config.preflight import use_adapter
+    from ftcore.validation.preflight import use_adapter
 
     (tmp_path / "models" / "base").mkdir(parents=True)  # someone else's base, where it points
     (tmp_path / "models" / "base" / "config.json").write_text("{}")
