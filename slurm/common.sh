@@ -99,7 +99,12 @@ ftcore_run() {
 	_ftcore_step "${SLURM_JOB_NUM_NODES:-1}" || return
 	local -a opts=("--nproc-per-node=$nproc" --module "$module")
 	local -a overrides=("+exp=$exp" "run.dir=$run_dir" "run.stop_file=$FTCORE_STOP_FILE"
-		checkpoint.resume=auto "$@") # the user's overrides come last, so they win
+		checkpoint.resume=auto)
+	# a run directory derived from the job id belongs to this job alone: its checkpoints record
+	# the id, and resume=auto refuses another job's (a recycled id, another cluster's)
+	[[ -z ${FTCORE_RUN_DIR:-} && -n ${SLURM_JOB_ID:-} ]] &&
+		overrides+=("run.id=slurm:${SLURM_CLUSTER_NAME:-}:$SLURM_JOB_ID")
+	overrides+=("$@") # the user's overrides come last, so they win
 	local -a srun=("${FTCORE_SRUN[@]}")
 	local -a launcher=("${FTCORE_PREFIX[@]}" "$python" -m ftcore.launch.node "${opts[@]}" -- "${overrides[@]}")
 

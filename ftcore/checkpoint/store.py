@@ -153,7 +153,7 @@ def _publish(state, tmp: Path, final: Path, sd: dict, step: int, t0: float) -> N
     files.verify_written(tmp, sd)
     if _rank0(state):
         (tmp / "config.yaml").write_text(_config_yaml(state))
-    files.write_manifest(tmp, {"step": step, "layout": resume.layout()})
+    files.write_manifest(tmp, {"step": step, "layout": resume.layout(), "run_id": state.cfg.run.id})
     _barrier()
     if _rank0(state):
         _fsync_dir(tmp)
@@ -245,7 +245,25 @@ def resolve(state) -> Path | None:
             field="checkpoint.resume",
             fix="point checkpoints/latest at a complete step_<N> directory, or checkpoint.resume=never",
         )
+    _check_run_id(getattr(getattr(state.cfg, "run", None), "id", None), published)
     return published
+
+
+def _check_run_id(run_id: str | None, step: Path) -> None:
+    """checkpoint.resume=auto under a run id (a job script's run directory) loads only what that
+    run wrote: the same job id on another cluster sharing the file system, or a directory left
+    by an earlier job with a recycled id, is not this run. A checkpoint with no id (written
+    without one, or by an earlier ftcore) says nothing and is taken."""
+    if not run_id:
+        return
+    theirs = files.read_manifest(step).get("run_id")
+    if theirs and theirs != run_id:
+        raise FtcoreError(
+            f"{step} was written by run {theirs}, not by this run ({run_id}): a run directory "
+            "this run did not create is never resumed from automatically",
+            field="checkpoint.resume",
+            fix=f"checkpoint.resume={step} if it is yours to continue, or a new run.dir",
+        )
 
 
 def _check_own(run_dir: Path, root: Path) -> None:
@@ -307,12 +325,24 @@ def load(state, path: Path) -> list[str]:
     except FtcoreError:
         raise
     except (Exception, CheckpointException) as e:  # torch's is a BaseException
+        refused = _refusal(e)
+        if refused is not None:  # ftcore's own verdict inside torch's load (safe_files): as is
+            raise refused from e
         raise FtcoreError(
             f"checkpoint {path} could not be loaded at this layout: {type(e).__name__}: {str(e)[:500]}",
             field="checkpoint.resume",
             fix="resume at the layout it was saved with (see its manifest.json), or checkpoint.resume=never",
         ) from e
     return resume.restore(state, loaded, path, optimizer_note)
+
+
+def _refusal(e: BaseException) -> FtcoreError | None:
+    """The FtcoreError a rank raised inside torch's checkpoint load, which torch wraps in a
+    CheckpointException of (exception, traceback) per rank."""
+    for exc, _ in getattr(e, "failures", {}).values():
+        if isinstance(exc, FtcoreError):
+            return exc
+    return None
 
 
 def maybe_resume(state) -> None:

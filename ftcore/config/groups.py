@@ -21,6 +21,10 @@ class RunConfig:
     max_time: Optional[float] = None  # minutes; stop, save and exit 3 when reached
     stop_file: Optional[str] = None  # default <run.dir>/STOP: a launcher asks the ranks to stop
     handle_signals: bool = True  # SIGTERM/SIGUSR1 -> save at the step boundary, exit 3
+    # who writes this run's checkpoints: the job scripts set it (slurm:<cluster>:<job id>) where
+    # run.dir is derived from the job; each manifest records it, and checkpoint.resume=auto
+    # refuses a checkpoint written under another id (docs/checkpoints.md)
+    id: Optional[str] = None
     # the command line's overrides, recorded by compose(): what the user set explicitly, as opposed
     # to what a preset (+exp=NAME) set (ftcore/config/presets.py adapts only the latter)
     overrides: list[str] = field(default_factory=list)

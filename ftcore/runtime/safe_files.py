@@ -3,7 +3,9 @@
 - `read_metadata`: a checkpoint's `.metadata` (torch.distributed.checkpoint pickles it) through an
   unpickler that admits only the classes torch's checkpoint metadata consists of; anything else
   is an FtcoreError naming the file (exit 2), and its payload never runs. `SafeReader` is torch's
-  FileSystemReader reading it that way; `megatron_readers()` makes megatron's load use it.
+  FileSystemReader reading it that way; `megatron_readers()` makes megatron's load use it, and
+  read every byte item of the `.distcp` files (modules' `_extra_state`, megatron's sharded
+  objects) with torch.load(weights_only=True) instead of torch's weights_only=False.
 - `read_latest`: `checkpoints/latest` names exactly `step_<N>` in that `checkpoints/`, nothing else.
 - `write_exclusive`: a temporary file created anew (O_EXCL, O_NOFOLLOW), never through a symlink
   someone left at its name.
@@ -109,20 +111,54 @@ def reader(path: str | Path, field: str = "checkpoint.resume"):
     return r
 
 
+def _planner_class():
+    import io
+
+    import torch
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class SafeLoadPlanner(MCoreLoadPlanner):
+        """megatron's load planner with each byte item (a module's `_extra_state`, megatron's
+        ShardedObjects) read by torch.load(weights_only=True): tensors and plain containers
+        only. torch's DefaultLoadPlanner.load_bytes reads them with weights_only=False, which
+        runs whatever a crafted item's pickle names."""
+
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except Exception as e:  # noqa: BLE001 - any item torch's safe loader refuses
+                raise FtcoreError(
+                    f"the checkpoint item {read_item.dest_index.fqn} is not plain data "
+                    f"({type(e).__name__}: {str(e)[:200]}); it was not loaded",
+                    field="checkpoint.resume",
+                    fix="load only checkpoints you or ftcore wrote; use an earlier step_<N>",
+                ) from e
+            # the rest of torch 2.13's DefaultLoadPlanner.load_bytes, with the safely read object
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafeLoadPlanner
+
+
 @contextlib.contextmanager
 def megatron_readers():
-    """megatron's torch_dist load strategy builds its FileSystemReader in one module function:
-    inside this block it builds a SafeReader instead (every `.metadata` read of a load)."""
+    """megatron's torch_dist load strategy builds its FileSystemReader in one module function and
+    its load planner by name: inside this block they are a SafeReader (every `.metadata` read of
+    a load) and a SafeLoadPlanner (every byte item)."""
     from megatron.core.dist_checkpointing.strategies import torch as strategy
 
-    original = strategy._get_filesystem_reader
+    original = strategy._get_filesystem_reader, strategy.MCoreLoadPlanner
     strategy._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: reader(
         checkpoint_dir
     )
+    strategy.MCoreLoadPlanner = _planner_class()
     try:
         yield
     finally:
-        strategy._get_filesystem_reader = original
+        strategy._get_filesystem_reader, strategy.MCoreLoadPlanner = original
 
 
 def read_latest(root: Path, field: str) -> Path | None:

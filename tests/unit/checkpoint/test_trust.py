@@ -64,9 +64,9 @@ def _tampered(saved, tmp_path: Path) -> tuple[Path, Path]:
     return run, marker
 
 
-def _run_state(run: Path, resume: str = "auto"):
-    return NS(cfg=NS(checkpoint=NS(resume=resume, verify=True)), run_dir=run, info=NS(rank=0),
-              extra={})  # fmt: skip
+def _run_state(run: Path, resume: str = "auto", run_id: str | None = None):
+    return NS(cfg=NS(checkpoint=NS(resume=resume, verify=True), run=NS(id=run_id)), run_dir=run,
+              info=NS(rank=0), extra={})  # fmt: skip
 
 
 def test_real_metadata_reads_through_the_allowlist(saved):
@@ -103,6 +103,70 @@ def test_payload_metadata_is_refused_inside_megatrons_load(saved, tmp_path):
             )
             dist_checkpointing.load(sd, str(run / "checkpoints" / "step_1"))
     assert ".metadata is not checkpoint metadata" in str(info.value), info.value
+    assert not marker.exists()
+
+
+def _tampered_item(saved, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the run whose first byte item (a module's `_extra_state`, torch.save'd into a
+    .distcp file) is a torch.save'd payload: appended to its file, its storage entry in
+    `.metadata` pointed at it, the manifest updated to match, as its author would."""
+    import io
+
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    run = tmp_path / "run"
+    shutil.copytree(saved[0], run)
+    step = run / "checkpoints" / "step_1"
+    marker = tmp_path / "payload_ran"
+    md = FileSystemReader(str(step)).read_metadata()
+    fqn = next(k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+    index = next(i for i in md.storage_data if i.fqn == fqn)
+    info = md.storage_data[index]
+    buf = io.BytesIO()
+    torch.save(_Payload(marker), buf)
+    with open(step / info.relative_path, "ab") as f:
+        offset = f.seek(0, os.SEEK_END)
+        f.write(buf.getvalue())
+    info.offset, info.length = offset, len(buf.getvalue())
+    (step / ".metadata").write_bytes(pickle.dumps(md))
+    manifest = json.loads((step / "manifest.json").read_text())
+    for name in (".metadata", info.relative_path):
+        data = (step / name).read_bytes()
+        manifest["files"][name] = [len(data), zlib.crc32(data)]
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    return run, marker
+
+
+def test_payload_byte_item_is_refused_inside_megatrons_load(saved, tmp_path):
+    """torch's own load planner reads byte items with torch.load(weights_only=False); inside
+    megatron's load through ftcore they are plain data or refused, and the payload never runs."""
+    from megatron.core import dist_checkpointing
+
+    from ftcore.checkpoint import resume
+    from ftcore.runtime import cpu
+
+    run, marker = _tampered_item(saved, tmp_path)
+    state = saved[1]
+    with pytest.raises(BaseException) as info:  # torch's CheckpointException is a BaseException
+        with cpu.device_mode(), safe_files.megatron_readers():
+            sd = resume.sharded_state_dict(
+                state, is_loading=True, optim=resume.optim_format(state.cfg)
+            )
+            dist_checkpointing.load(sd, str(run / "checkpoints" / "step_1"))
+    assert "_extra_state" in str(info.value) and "is not plain data" in str(info.value), info.value
+    assert not marker.exists()
+
+
+def test_cli_resume_of_a_payload_byte_item_exits_2(saved, tmp_path):
+    """As a user meets it: `ftcore.train` resuming from a run whose byte item carries a payload."""
+    from tests.support.tiny import TINY
+
+    run, marker = _tampered_item(saved, tmp_path)
+    proc = cli("train", *TINY, "launcher.nproc_per_node=1", f"run.dir={run}", "train.max_steps=2",
+               cwd=tmp_path)  # fmt: skip
+    line = error_line(proc)
+    assert "checkpoint.resume:" in line and "is not plain data" in line, line
     assert not marker.exists()
 
 
@@ -258,3 +322,29 @@ def test_a_run_directory_of_another_user_is_not_resumed_automatically(saved, tmp
     step = run / "checkpoints" / "step_1"
     assert store.resolve(_run_state(run, str(step))) == step  # named explicitly: the user's call
     assert store.resolve(_run_state(run, "never")) is None
+
+
+def test_resume_auto_takes_only_its_own_runs_checkpoints(saved, tmp_path):
+    """A job's run directory (run.id set by the job script) resumes only what that run wrote: the
+    same job id from another cluster, or a recycled one, is refused unless named explicitly."""
+    run = tmp_path / "run"
+    shutil.copytree(saved[0], run)
+    step = run / "checkpoints" / "step_1"
+    manifest = json.loads((step / "manifest.json").read_text())
+    manifest["run_id"] = "slurm:other:4242"
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FtcoreError, match=r"written by run slurm:other:4242, not by this run"):
+        store.resolve(_run_state(run, run_id="slurm:c1:4242"))
+    assert store.resolve(_run_state(run, run_id="slurm:other:4242")) == step
+    assert store.resolve(_run_state(run, resume=str(step), run_id="slurm:c1:4242")) == step
+    assert store.resolve(_run_state(run)) == step  # no id of its own (a local run): no claim
+
+
+def test_a_save_records_the_runs_id(saved, tmp_path, monkeypatch):
+    run_dir, state = saved
+    monkeypatch.setattr(state.cfg.run, "id", "slurm:c1:4242")
+    monkeypatch.setattr(state, "run_dir", tmp_path / "run")
+    monkeypatch.setattr(state, "extra", {})  # this step's save of the fixture is elsewhere
+    store.save(state, blocking=True)
+    step = tmp_path / "run" / "checkpoints" / f"step_{state.step}"
+    assert json.loads((step / "manifest.json").read_text())["run_id"] == "slurm:c1:4242"

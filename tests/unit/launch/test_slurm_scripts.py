@@ -242,6 +242,17 @@ def test_container_flags_are_off_by_default_and_optional(tmp_path):
     assert "apptainer exec --nv" in srun and "--container-image" not in srun
 
 
+def test_a_run_directory_derived_from_the_job_carries_its_id(tmp_path):
+    """The job's own run directory gets run.id=slurm:<cluster>:<job id> (its checkpoints record
+    it; resume=auto refuses another job's); a directory the user names does not."""
+    shim = {"FTCORE_PYTHON": str(python_shim(tmp_path / "bin" / "python"))}
+    srun, _ = render(SLURM / "tiny_cpu.sh", 1, None, tmp_path, SLURM_CLUSTER_NAME="c1", **shim)
+    assert "run.id=slurm:c1:4242" in srun and "/slurm-4242" in srun
+    named = {**shim, "FTCORE_RUN_DIR": str(tmp_path / "mine")}
+    srun, _ = render(SLURM / "tiny_cpu.sh", 1, None, tmp_path, **named)
+    assert "run.id=" not in srun and f"run.dir={tmp_path / 'mine'}" in srun
+
+
 def test_scripts_use_the_projects_venv_and_say_so(tmp_path):
     """Without FTCORE_PYTHON the job runs <repo>/.venv/bin/python when it exists (the venv
     `make train` made need not be active), else python on PATH; FTCORE_PYTHON still wins; a
