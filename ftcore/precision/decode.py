@@ -1,16 +1,16 @@
 """Decode shapes: what a generation or evaluation run must not inherit from a training experiment.
 
 `ftcore.generate` and exact-match accuracy feed one new token per row at each KV-cache step (and a
-prompt of any length first). Three training settings cannot run at those shapes under Transformer
+prompt of any length first). Two training settings cannot run at those shapes under Transformer
 Engine (rules read from TE 2.9's source):
 - FP8/FP4 GEMMs: `transformer_engine/pytorch/utils.py assert_dim_for_fp8_exec` wants the tokens of
   an FP8 GEMM to be a multiple of 8; the block-scaled quantizers' `is_quantizable`
   (`tensor/mxfp8_tensor.py`, `nvfp4_tensor.py`, `float8_blockwise_tensor.py`) multiples of their
   block, 32, 16 and 128. A decode step of a few rows has a few tokens;
 - userbuffers (`parallel.tp_comm_overlap`): allocated once for the training shape
-  [seq_len x micro_batch_size / cp, hidden] (runtime/userbuffers.py);
-- CUDA graphs replay the shapes they captured.
-`decode_safe` derives the config that runs instead (BF16 compute, no userbuffers, no graphs), saying
+  [seq_len x micro_batch_size / cp, hidden] (runtime/userbuffers.py).
+(CUDA graphs, which would replay the training shapes, are refused everywhere: models/speed.py.)
+`decode_safe` derives the config that runs instead (BF16 compute, no userbuffers), saying
 what it changed; the trainer's own accuracy, which decodes with the training model, is refused
 where the training config has any of them (validation/checks.py).
 """
@@ -37,14 +37,12 @@ def decode_problems(cfg: DictConfig) -> list[tuple[str, str]]:
                     f"{TOKEN_MULTIPLE.get(recipe, 8)} tokens, a decode step has one per row"))  # fmt: skip
     if cfg.parallel.tp_comm_overlap and cfg.parallel.tp > 1:
         out.append(("parallel.tp_comm_overlap", "TE userbuffers hold the training shape only"))
-    if cfg.perf.cuda_graphs != "none":
-        out.append(("perf.cuda_graphs", "CUDA graphs replay the training shapes only"))
     return out
 
 
 def decode_safe(cfg: DictConfig, *, say: bool = True) -> list[str]:
     """Make cfg (in place) one that decodes: BF16 (or the experiment's fp32) compute instead of
-    FP8/FP4, no userbuffers, no CUDA graphs. The weights are the same: FP8/FP4 training keeps
+    FP8/FP4, no userbuffers. The weights are the same: FP8/FP4 training keeps
     high-precision masters, and a checkpoint or HF directory loads into BF16 layers. Returns the
     changes (logged when `say`)."""
     changes = []
@@ -59,9 +57,6 @@ def decode_safe(cfg: DictConfig, *, say: bool = True) -> list[str]:
     if cfg.parallel.tp_comm_overlap:
         cfg.parallel.tp_comm_overlap = False
         changes.append("parallel.tp_comm_overlap true -> false")
-    if cfg.perf.cuda_graphs != "none":
-        changes.append(f"perf.cuda_graphs {cfg.perf.cuda_graphs} -> none")
-        cfg.perf.cuda_graphs = "none"
     if changes and say:
         log.info("decoding runs a decode-safe copy of the config (Transformer Engine cannot run "
                  "these at one token per row): %s", "; ".join(changes))  # fmt: skip

@@ -170,7 +170,7 @@ def check_context_parallel(cfg: DictConfig) -> None:
 
 def check_accuracy_decodes(cfg: DictConfig) -> None:
     """eval.accuracy during training decodes with the training model itself, whose FP8/FP4 GEMMs,
-    userbuffers or CUDA graphs cannot run one token per row (precision/decode.py). ftcore.eval
+    userbuffers cannot run one token per row (precision/decode.py). ftcore.eval
     derives a config that can; training cannot change its model, so it refuses here."""
     from ftcore.precision.decode import decode_problems
 
@@ -181,7 +181,7 @@ def check_accuracy_decodes(cfg: DictConfig) -> None:
             f"cannot run it: {'; '.join(f'{k}: {why}' for k, why in problems)}",
             field="eval.accuracy",
             fix="set eval.accuracy=false, and score the trained checkpoint with python -m "
-            "ftcore.eval eval.accuracy=true (it decodes in BF16, without userbuffers or graphs)",
+            "ftcore.eval eval.accuracy=true (it decodes in BF16, without userbuffers)",
         )
 
 
