@@ -41,6 +41,11 @@ def test_every_gpu_test_run_validates_on_its_target(name):
     case = CASES[name]
     cfg = compose(case.overrides())
     assert cfg.cluster.device == "cuda", "a GPU test must target a CUDA cluster"
+    if case.refused:  # the GPU test checks the refusal happens on the GPU too
+        with pytest.raises(FtcoreError) as e:
+            check_on_target(cfg, case.gpus)
+        assert e.value.field == case.refused, e.value
+        return
     check_on_target(cfg, case.gpus)
 
 
