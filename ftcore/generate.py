@@ -69,8 +69,15 @@ def generate(cfg: DictConfig) -> str:
 
 
 def task(cfg: DictConfig) -> int | None:
+    import os
+
+    from ftcore.precision.decode import decode_safe
+    from ftcore.runtime import gpu_env
     from ftcore.validation import checks, preflight
 
+    # FP8/FP4, userbuffers and CUDA graphs cannot run at decode shapes: BF16, none of them
+    decode_safe(cfg, say=os.environ.get("RANK", "0") == "0")
+    gpu_env.at_process_start(cfg)  # before CUDA/NCCL initialise, whoever started this process
     # first: on a machine without a GPU nothing else matters
     preflight.require_cuda(cfg, "generate")
     preflight.use_adapter(cfg, training=False)  # an adapter path is loaded, never dropped

@@ -9,8 +9,10 @@ from ftcore.cli import run
 
 
 def task(cfg: DictConfig) -> int | None:
+    from ftcore.runtime import gpu_env
     from ftcore.validation import checks, preflight
 
+    gpu_env.at_process_start(cfg)  # before CUDA/NCCL initialise, whoever started this process
     # first: on a machine without a GPU nothing else matters
     preflight.require_cuda(cfg, "train")
     preflight.use_adapter(cfg, training=True)

@@ -101,11 +101,18 @@ def timed_run(cmd: list[str], seconds: float, log_file: Path) -> tuple[int, str]
     return rc, log_file.read_text()
 
 
+# What the test run uses beside pytest: tools/gpu_wheels.py downloads each (make gpu-wheels).
+PLUGINS = ("pytest-timeout", "pytest-xdist")
+
+
 def xdist_args(workers: int) -> list[str]:
     """Cases run as separate processes on the one GPU; pytest-xdist runs several at once."""
     try:
         metadata.version("pytest-xdist")
     except metadata.PackageNotFoundError:
+        if workers > 1:
+            print("gpu-check: pytest-xdist is not installed, so --workers is ignored (one test at "
+                  "a time); make gpu-wheels downloads it", file=sys.stderr)  # fmt: skip
         return []
     return ["-n", str(workers)] if workers > 1 else []
 

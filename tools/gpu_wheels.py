@@ -27,7 +27,9 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parents[1]
 BARE = ("torch", "transformers", "peft")  # what the GPU image brings, with all it depends on
 LAZY = ("wandb", "datasets")  # imported only when a feature asks; --with adds them back
-TEST = ("pytest", "pytest-timeout", "bitsandbytes")  # the GPU tests (bitsandbytes: QLoRA)
+# the GPU tests: pytest and the plugins tools/gpu_check.py uses (timeouts, --workers), bitsandbytes
+# for QLoRA
+TEST = ("pytest", "pytest-timeout", "pytest-xdist", "bitsandbytes")
 # Published as source only (hydra's parser runtime): built here into a pure-Python wheel.
 SOURCE_ONLY = ("antlr4-python3-runtime==4.9.3",)
 LIMIT_MIB = 64

@@ -142,9 +142,18 @@ def set_rng_state(states: dict) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
+def _keeps_step_per_param(inner) -> bool:
+    """torch's Adam/AdamW keep a `step` tensor in each parameter's state; TE's and Apex's
+    FusedAdam keep it in the param group, and TE's state_dict() looks every state name up in a
+    table of exp_avg, exp_avg_sq and master_param: a `step` there is a KeyError, at this load and
+    at every save after it (TE 2.9, transformer_engine/pytorch/optimizers/fused_adam.py)."""
+    return isinstance(inner, torch.optim.Adam | torch.optim.AdamW)
+
+
 def _init_distributed_optimizer_state(optimizer) -> None:
     """A fresh distributed optimizer has no Adam state yet, and megatron's loading path reads it
-    (with its `step`) before filling it: create the zero state first, as a first step would."""
+    (with torch Adam's per-parameter `step`) before filling it: create the zero state first, as a
+    first step would."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for o in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -154,8 +163,9 @@ def _init_distributed_optimizer_state(optimizer) -> None:
             and not o.optimizer.state
         ):
             o.init_state_fn(o.optimizer, o.config)
-            for st in o.optimizer.state.values():
-                st.setdefault("step", torch.tensor(0.0))
+            if _keeps_step_per_param(o.optimizer):
+                for st in o.optimizer.state.values():
+                    st.setdefault("step", torch.tensor(0.0))
 
 
 @contextlib.contextmanager

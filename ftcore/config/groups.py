@@ -119,8 +119,8 @@ class PerfConfig:
     grad_reduce_dtype: str = "fp32"  # fp32 | bf16: dtype of the grad buffers and DP reduction
     manual_gc: bool = False  # Python GC off, a collection every manual_gc_interval steps instead
     manual_gc_interval: int = 0  # steps between collections; 0 = one at the start only
-    cuda_graphs: str = "none"  # none | transformer_engine (GPU, fixed shapes)
-    cuda_graph_scope: list[str] = field(default_factory=lambda: ["mlp"])  # attn | mlp
+    # none. transformer_engine is refused: nothing in ftcore captures graphs (issue 41, item 7)
+    cuda_graphs: str = "none"
 
 
 @dataclass

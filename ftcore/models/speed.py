@@ -17,8 +17,7 @@ from omegaconf import DictConfig
 from ftcore.errors import FtcoreError
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
-CUDA_GRAPHS = ("none", "transformer_engine")
-GRAPH_SCOPES = ("attn", "mlp")
+CUDA_GRAPHS = ("none",)  # transformer_engine is refused: nothing in ftcore captures graphs
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 
 
@@ -29,7 +28,7 @@ def grad_reduce_in_fp32(cfg: DictConfig) -> bool:
 
 def fixed_shapes(cfg: DictConfig) -> bool:
     """Every micro-batch has the same [tokens, hidden] shape: packed rows (seq_len tokens each) or
-    unpacked rows padded to seq_len (trim_padding off). TE userbuffers and CUDA graphs need it."""
+    unpacked rows padded to seq_len (trim_padding off). TE userbuffers need it."""
     return bool(cfg.data.packing or not cfg.data.trim_padding)
 
 
@@ -61,8 +60,6 @@ def transformer_kwargs(cfg: DictConfig, *, on_cpu: bool) -> dict[str, Any]:
             and wgrad_kernel_present()
         ),
     )
-    if f.cuda_graphs != "none" and not on_cpu:
-        kw.update(cuda_graph_impl=f.cuda_graphs, cuda_graph_scope=list(f.cuda_graph_scope))
     if p.recompute == "selective":
         kw.update(recompute_granularity="selective", recompute_modules=list(p.recompute_modules))
     elif p.recompute == "full":
@@ -122,13 +119,17 @@ def _check_rules(cfg: DictConfig) -> None:
     if f.manual_gc_interval < 0:
         _refuse(f"must be >= 0, not {f.manual_gc_interval}", "perf.manual_gc_interval",
                 "perf.manual_gc_interval=0 (one collection, at the start)")  # fmt: skip
+    if f.cuda_graphs == "transformer_engine":  # issue 41, item 7: no option that does nothing
+        _refuse("ftcore does not capture CUDA graphs: megatron's TECudaGraphHelper, which "
+                "Megatron-LM's training loop creates and calls at its warm-up step, is not wired "
+                "into ftcore's loop, so every layer would run eagerly", "perf.cuda_graphs",
+                "perf.cuda_graphs=none")  # fmt: skip
     if f.cuda_graphs not in CUDA_GRAPHS:
         _refuse(f"{f.cuda_graphs!r} is not one of {', '.join(CUDA_GRAPHS)}", "perf.cuda_graphs",
-                "perf.cuda_graphs=transformer_engine (or none)")  # fmt: skip
+                "perf.cuda_graphs=none")  # fmt: skip
     gpu_only = {
         "parallel.tp_comm_overlap": p.tp_comm_overlap and p.tp > 1,
         "perf.gradient_accumulation_fusion": f.gradient_accumulation_fusion,
-        "perf.cuda_graphs": f.cuda_graphs != "none",
     }
     for key, on in gpu_only.items():
         if on and not on_gpu:
@@ -148,24 +149,12 @@ def _check_rules(cfg: DictConfig) -> None:
             _refuse("TE userbuffers need Transformer Engine's layers (QLoRA and "
                     "precision.te_layers=false build megatron's local ones)",
                     "parallel.tp_comm_overlap", "parallel.tp_comm_overlap=false")  # fmt: skip
-    if f.cuda_graphs != "none":
-        bad = [s for s in f.cuda_graph_scope if s not in GRAPH_SCOPES]
-        if bad or not f.cuda_graph_scope:
-            _refuse(f"cuda_graph_scope {list(f.cuda_graph_scope)} is not a non-empty list of "
-                    f"{', '.join(GRAPH_SCOPES)}", "perf.cuda_graph_scope",
-                    "perf.cuda_graph_scope=[mlp]")  # fmt: skip
-        if not fixed_shapes(cfg):
-            _refuse("a CUDA graph replays fixed tensor shapes; unpacked rows trimmed per "
-                    "micro-batch change them", "perf.cuda_graphs",
-                    "set data.packing=true or data.trim_padding=false")  # fmt: skip
-        if "attn" in f.cuda_graph_scope and cfg.data.packing:
-            _refuse("packed rows give attention new cu_seqlens every micro-batch, which a "
-                    "captured attention graph cannot take", "perf.cuda_graph_scope",
-                    "perf.cuda_graph_scope=[mlp] with data.packing=true")  # fmt: skip
-        if p.recompute == "full":
-            _refuse("full recompute re-enters each layer's forward inside the backward, which "
-                    "TE's captured graphs do not support", "perf.cuda_graphs",
-                    "parallel.recompute=selective or none with CUDA graphs")  # fmt: skip
+        from ftcore.runtime import userbuffers
+
+        why = userbuffers.problem(cfg)
+        if why:
+            _refuse(why, "parallel.tp_comm_overlap",
+                    "parallel.tp_comm_overlap=false with this precision (or precision=fp8_cs)")  # fmt: skip
 
 
 def check(cfg: DictConfig) -> None:
@@ -217,10 +206,9 @@ def check_device(cfg: DictConfig, te_version) -> None:
     """On the GPU that runs the job: the TE-only options need Transformer Engine present."""
     if cfg.cluster.device == "cpu" or te_version is not None:
         return
-    p, f = cfg.parallel, cfg.perf
+    p = cfg.parallel
     for key, on in {
         "parallel.tp_comm_overlap": p.tp_comm_overlap and p.tp > 1,
-        "perf.cuda_graphs": f.cuda_graphs != "none",
     }.items():
         if on:
             _refuse(f"{key} needs Transformer Engine, which is not installed or cannot load here",

@@ -22,6 +22,23 @@ from __future__ import annotations
 
 COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 SEARCHED = ("p2p", "all_gather", "a2a")  # a2a+p2p needs megatron's hierarchical CP sizes
+# The comm types TE's CP attention takes packed (THD) rows with. TE 2.9,
+# transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py: the all-gather
+# and all-to-all implementations assert `qkv_format != "thd"`, and a2a+p2p asserts it before it
+# falls back to either half; only the p2p ring handles THD.
+THD_COMM_TYPES = ("p2p",)
+
+
+def thd_under_te(cfg) -> bool:
+    """Packed rows reach Transformer Engine's attention as THD: data.packing on a GPU cluster with
+    TE layers (QLoRA and precision.te_layers=false build megatron's local layers, and the CPU
+    runtime's all-gather attention takes any comm type)."""
+    return bool(
+        cfg.data.packing
+        and cfg.cluster.device != "cpu"
+        and cfg.precision.te_layers
+        and cfg.peft.name != "qlora"
+    )
 
 
 def comm_type(parallel) -> str:
@@ -68,11 +85,19 @@ def _heads_divide(model, tp: int, n: int) -> bool:
     return (model.num_attention_heads // tp) % n == 0 and (model.num_query_groups // tp) % n == 0
 
 
-def layout_problem(model, tp: int, cp: int, comm: str, sizes=None) -> tuple[str, str, str] | None:
-    """(field, what is wrong, the fix) when TE would refuse this CP layout, else None."""
+def layout_problem(
+    model, tp: int, cp: int, comm: str, sizes=None, thd: bool = False
+) -> tuple[str, str, str] | None:
+    """(field, what is wrong, the fix) when TE would refuse this CP layout, else None. `thd`:
+    packed rows go to TE's attention (thd_under_te)."""
     if comm not in COMM_TYPES:
         return ("parallel.cp_comm_type", f"{comm!r} is not one of {', '.join(COMM_TYPES)}",
                 "p2p (the default) works for every model")  # fmt: skip
+    if cp > 1 and thd and comm not in THD_COMM_TYPES:
+        return ("parallel.cp_comm_type",
+                f"{comm} cannot take packed rows: Transformer Engine's context-parallel attention "
+                "handles the packed (THD) layout with p2p only",
+                "use parallel.cp_comm_type=p2p with data.packing=true (or data.packing=false)")  # fmt: skip
     n = cp if comm == "a2a" else int(sizes[0]) if comm == "a2a+p2p" and sizes else 1
     if cp > 1 and n > 1 and not _heads_divide(model, tp, n):
         heads, groups = model.num_attention_heads // tp, model.num_query_groups // tp

@@ -14,6 +14,7 @@ from ftcore.precision.recipes import (
     FALLBACKS,
     RECIPES,
     check_config,
+    check_te_attention,
     recipe_name,
     require,
     te_module,
@@ -99,6 +100,8 @@ def check_hardware(cfg: DictConfig, device: Optional[Device] = None) -> None:
                  "Transformer Engine is not installed or cannot load here", "gpu.require_te",
                  "repair the image's transformer-engine, or set gpu.require_te=false to run "
                  "megatron's local layers")  # fmt: skip
+    if on_cuda and dev.te_version is not None:
+        check_te_attention(cfg)
     if name is None:
         if on_cuda and p.params_dtype == "bf16":
             require(dev.cc >= 8.0, f"BF16 needs compute capability >= 8.0; this GPU has "

@@ -258,6 +258,23 @@ def _check_alignment(cfg: DictConfig, name: str) -> None:
              "data.seq_len", f"make micro_batch_size*seq_len a multiple of {tok_align * split}")  # fmt: skip
 
 
+def check_te_attention(cfg: DictConfig) -> None:
+    """Where Transformer Engine's layers run, its attention must find a backend. TE 2.9
+    (transformer_engine/pytorch/attention/dot_product_attention/utils.py get_attention_backend):
+    flash and fused attention take bf16/fp16 (and FP8) inputs only, and the unfused one refuses
+    the packed THD layout and context parallelism, so fp32 with packing or cp > 1 leaves none
+    ("no dot product attention backend"). Callers decide that TE's layers are built."""
+    p = cfg.precision
+    if p.params_dtype != "fp32" or not p.te_layers or cfg.peft.name == "qlora":
+        return
+    why = [w for w, on in (("packed rows (THD)", cfg.data.packing),
+                           (f"context parallelism (cp={cfg.parallel.cp})", cfg.parallel.cp > 1)) if on]  # fmt: skip
+    require(not why, f"fp32 with Transformer Engine's layers and {' and '.join(why)} leaves TE no "
+             "attention backend: its flash and fused attention need bf16/fp16, its unfused one "
+             "takes neither", "precision",
+             "use precision=bf16, or precision.te_layers=false (megatron's local layers run fp32)")  # fmt: skip
+
+
 def runs_on_cuda(cfg: DictConfig) -> bool:
     """The same rule as the runtime's: CUDA when a GPU is visible and cluster.device is not cpu."""
     return torch.cuda.is_available() and cfg.cluster.device != "cpu"

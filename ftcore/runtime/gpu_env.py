@@ -1,6 +1,7 @@
 """The GPU workers' environment, in one place for every launcher (launch/node.py under SLURM,
-runtime/dist.launch_local_workers for one node): what the published Megatron-Bridge recipes set,
-chosen per GPU generation (cluster.compute_capability) and per overlap setting.
+runtime/dist.launch_local_workers for one node) and for the process itself at its start
+(`at_process_start`: a plain torchrun gets it too): what the published Megatron-Bridge recipes
+set, chosen per GPU generation (cluster.compute_capability) and per overlap setting.
 
 A value the user exported wins. A value ftcore chose is listed in FTCORE_AUTO_ENV, so a launcher
 started from inside another one (the benchmark's configurations under a SLURM launcher) chooses
@@ -69,3 +70,31 @@ def apply(env: MutableMapping[str, str], cfg, nnodes: int = 1) -> MutableMapping
             auto.add(k)
     env[AUTO] = ",".join(sorted(auto))
     return env
+
+
+def at_process_start(cfg, env: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Apply gpu_env(cfg) to this process itself, whoever started it: the entry points call it
+    first, before CUDA or NCCL initialise (CUDA_DEVICE_MAX_CONNECTIONS is read when the CUDA
+    context is created, PYTORCH_CUDA_ALLOC_CONF at the first allocation, TORCH_NCCL_* and NCCL_*
+    when a communicator is made). A plain `torchrun -m ftcore.train` gets what ftcore's own
+    launchers give their workers. Returns what it set (logged once, by rank 0); nothing on CPU."""
+    import logging
+    import os
+    import sys
+
+    env = os.environ if env is None else env
+    if cfg.cluster.device == "cpu":
+        return {}
+    local = max(int(env.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+    nnodes = int(env.get("SLURM_NNODES") or max(int(env.get("WORLD_SIZE", "1")) // local, 1))
+    before = dict(env)
+    apply(env, cfg, nnodes)
+    changed = {k: env[k] for k in gpu_env(cfg, nnodes) if before.get(k) != env.get(k)}
+    log = logging.getLogger("ftcore")
+    torch = sys.modules.get("torch")
+    if changed and torch is not None and torch.cuda.is_initialized():
+        log.warning("the GPU environment was set after CUDA initialised; some of %s take no "
+                    "effect in this process", ", ".join(sorted(changed)))  # fmt: skip
+    if changed and env.get("RANK", env.get("SLURM_PROCID", "0")) == "0":
+        log.info("GPU environment: %s", " ".join(f"{k}={v}" for k, v in sorted(changed.items())))
+    return changed

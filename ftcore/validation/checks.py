@@ -89,6 +89,7 @@ def check_divisibility(cfg: DictConfig) -> None:
     split_layers(m.num_layers, p.pp, p.vp)
     check_sequence(cfg)
     check_context_parallel(cfg)
+    check_accuracy_decodes(cfg)
     if cfg.data.packing and cfg.cluster.device == "cuda" and t.micro_batch_size != 1:
         raise FtcoreError(
             "packed sequences go to Transformer Engine as one THD row per micro-batch",
@@ -117,7 +118,9 @@ def check_sequence(cfg: DictConfig) -> None:
         )
     comm = cp.comm_type(p)
     check_hierarchical_sizes(p)
-    problem = cp.layout_problem(m, p.tp, p.cp, comm, cp.hierarchical_sizes(p))
+    problem = cp.layout_problem(
+        m, p.tp, p.cp, comm, cp.hierarchical_sizes(p), thd=cp.thd_under_te(cfg)
+    )
     if problem:
         field, what, fix = problem
         raise FtcoreError(what, field=field, fix=fix)
@@ -163,6 +166,23 @@ def check_context_parallel(cfg: DictConfig) -> None:
             "shard (ftcore.generate refuses cp > 1 too)",
             field="eval.accuracy", fix="set eval.accuracy=false, or evaluate at parallel.cp=1",
         )  # fmt: skip
+
+
+def check_accuracy_decodes(cfg: DictConfig) -> None:
+    """eval.accuracy during training decodes with the training model itself, whose FP8/FP4 GEMMs,
+    userbuffers cannot run one token per row (precision/decode.py). ftcore.eval
+    derives a config that can; training cannot change its model, so it refuses here."""
+    from ftcore.precision.decode import decode_problems
+
+    problems = decode_problems(cfg) if cfg.eval.accuracy else []
+    if problems:
+        raise FtcoreError(
+            "exact-match accuracy decodes one token per row with the training model, which "
+            f"cannot run it: {'; '.join(f'{k}: {why}' for k, why in problems)}",
+            field="eval.accuracy",
+            fix="set eval.accuracy=false, and score the trained checkpoint with python -m "
+            "ftcore.eval eval.accuracy=true (it decodes in BF16, without userbuffers)",
+        )
 
 
 def check_generation(cfg: DictConfig) -> None:

@@ -165,6 +165,7 @@ def check_target_hardware(cfg: DictConfig) -> None:
         hardware.check_hardware(cfg)  # a CPU cluster runs where it is checked
         return
     recipes.check_config(cfg)
+    recipes.check_te_attention(cfg)  # ftcore's image has TE
     name, cc = recipes.recipe_name(cfg), float(c.compute_capability)
     if name is None:
         if cfg.precision.params_dtype == "bf16" and cc < 8.0:

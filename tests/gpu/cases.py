@@ -34,6 +34,7 @@ class Case:
     gpus: int = 1
     te: bool = False  # needs Transformer Engine (NOT RUN without it, a failure with gpu.require_te)
     cluster: str = "h100"  # the GPU it targets (conf/cluster): its compute capability is checked
+    refused: str | None = None  # validation must refuse it (exit 2) naming this field
 
     def overrides(self) -> list[str]:
         return [*BASE, f"cluster={self.cluster}", *self.extra]
@@ -101,6 +102,68 @@ CASES: dict[str, Case] = {
             "train.max_steps=10",
             "checkpoint.interval=5",
             "checkpoint.async_save=true",
+        ),  # fmt: skip
+        # the same with the distributed optimizer (issue 41, item 1: where TE is installed,
+        # megatron's inner optimizer is TE's FusedAdam, whose state_dict has no per-tensor step)
+        _c(
+            "ckpt_distopt",
+            "precision=bf16",
+            "precision.te_layers=false",
+            "train.max_steps=10",
+            "checkpoint.interval=5",
+            "checkpoint.async_save=true",
+            "parallel.distributed_optimizer=true",
+        ),  # fmt: skip
+        _c(
+            "ckpt_distopt_te",
+            "precision=bf16",
+            "train.max_steps=10",
+            "checkpoint.interval=5",
+            "checkpoint.async_save=true",
+            "parallel.distributed_optimizer=true",
+            te=True,
+        ),  # fmt: skip
+        # packed rows under CP=2 with TE's p2p ring, the one comm type TE takes THD with (item 3)
+        _c(
+            "cp2_packed_te",
+            "precision=bf16",
+            "data.packing=true",
+            "train.micro_batch_size=1",
+            "parallel.cp=2",
+            "parallel.cp_comm_type=p2p",
+            gpus=2,
+            te=True,
+        ),  # fmt: skip
+        # TP=2 userbuffers under FP8 with BF16 first/last layers: communicators in both modes
+        # (item 4); generation and evaluation derive a decode-safe config from it (item 5)
+        _c(
+            "tp2_ub_fp8",
+            "precision=fp8_cs",
+            "precision.first_last_bf16_layers=1",
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "parallel.tp_comm_overlap=true",
+            "data.packing=true",
+            "train.micro_batch_size=1",
+            gpus=2,
+            te=True,
+        ),  # fmt: skip
+        # refused before anything is built: fp32 with TE layers on packed rows (item 6: no TE
+        # attention backend), CUDA graphs (item 7: nothing captures them)
+        _c(
+            "fp32_te_packed",
+            "precision=fp32",
+            "data.packing=true",
+            "train.micro_batch_size=1",
+            te=True,
+            refused="precision",
+        ),  # fmt: skip
+        _c(
+            "cuda_graphs",
+            "precision=bf16",
+            "perf.cuda_graphs=transformer_engine",
+            te=True,
+            refused="perf.cuda_graphs",
         ),  # fmt: skip
         # packed (THD, one row per micro-batch) and the same documents unpacked
         _c(

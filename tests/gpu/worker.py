@@ -1,7 +1,8 @@
 """One GPU test run in its own process (alone or under torchrun): `python -m tests.gpu.worker
 MODE OUT overrides...`. Rank 0 writes OUT: a JSON for `train` (per-step losses from metrics.jsonl
 and what Transformer Engine's FP8 state says), a tensor file for `logits` (the full-vocabulary
-logits of fixed tokens right after loading, before any step)."""
+logits of fixed tokens right after loading, before any step), a JSON for `generate` and `eval`
+(ftcore.generate's / ftcore.eval's own task: the answer printed, the config it ran with)."""
 
 from __future__ import annotations
 
@@ -113,6 +114,25 @@ def main(mode: str, out: str, overrides: list[str]) -> None:
                 torch.save(logits.float().cpu(), out)
         elif mode == "packing":
             Path(out).write_text(json.dumps(packed_vs_unpacked(cfg)))
+        elif mode in ("generate", "eval"):  # the entry point's own task, as torchrun runs it
+            import contextlib
+            import io
+
+            from ftcore import eval as eval_entry
+            from ftcore import generate as generate_entry
+
+            if mode == "eval":
+                cfg.eval.output = str(Path(out).with_suffix(".eval.json"))
+            entry = generate_entry if mode == "generate" else eval_entry
+            text = io.StringIO()
+            with contextlib.redirect_stdout(text):
+                entry.task(cfg)
+            if int(os.environ.get("RANK", "0")) == 0:
+                result = {"text": text.getvalue(), "cfg_precision": cfg.precision.name,
+                          "tp_comm_overlap": bool(cfg.parallel.tp_comm_overlap)}  # fmt: skip
+                if mode == "eval":
+                    result["eval"] = json.loads(Path(cfg.eval.output).read_text())
+                Path(out).write_text(json.dumps(result))
         else:
             raise SystemExit(f"unknown mode {mode}")
     finally:

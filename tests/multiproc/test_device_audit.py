@@ -3,9 +3,11 @@
 On the GPU the default group is NCCL, which rejects host tensors; on the CPU everything is gloo,
 so these runs go through ftcore.runtime.device_audit, which tags each tensor with the device the
 GPU path would give it and fails any collective that would hand NCCL a host tensor. The runs:
-a TP=2/PP=2 LoRA job with SP (setup's parameter count, train steps, 2-token generation across 4
-ranks, the adapter gather, the HF export's weight gathers); a DP=2 job with the distributed optimizer stopped by a stop
-file (the stop check, the loss/token sums, the checkpoint save)."""
+a TP=2/PP=2 LoRA job with SP (setup's parameter count, train steps, an evaluation, 2-token
+generation across 4 ranks, the adapter gather, the HF export's weight gathers); a DP=2 job with the
+distributed optimizer stopped by a stop file (the stop check, the loss/token sums, the checkpoint
+save); a DP=2 full fine-tuning job with the distributed optimizer (a step, an evaluation, the
+end-of-run HF export)."""
 
 from __future__ import annotations
 
@@ -72,11 +74,13 @@ def lora_tp2_pp2(run_dir: str, audit: bool) -> list:
     from ftcore.peft.adapter_format import gather_full
     from ftcore.runtime import device_audit
     from ftcore.training import trainer
+    from ftcore.training.evaluation import evaluate
     from tests.support.layouts import build
 
     with device_audit.shadow_devices() if audit else contextlib.nullcontext():
         state = build(LORA + ["parallel.tp=2", "parallel.pp=2", "parallel.sp=true"], run_dir)
         losses = [trainer.train_step(state)["loss"] for _ in range(2)]
+        losses.append(evaluate(state, [state.loader.next_microbatches()]).loss)
         answers = generate_ids(state, [[1, 2, 3], [4, 5]], max_new_tokens=2)
         full = gather_full(state.model, everywhere=True)
         if audit:
@@ -110,3 +114,27 @@ def test_dp2_distributed_optimizer_stop_file_collectives_get_gpu_tensors(pool2, 
     (tmp_path / "STOP").write_text("")
     res = pool2.run(dp2_stop_audited, str(tmp_path))
     assert [r["stopped"][0] for r in res] == [1, 1] and "stop file" in res[0]["stopped"][1], res
+
+
+def dp2_full_eval_export(run_dir: str) -> dict:
+    """Evaluation and the end-of-run export under the distributed optimizer (issue 41)."""
+    from ftcore.hf.export import write_hf_model
+    from ftcore.runtime import device_audit
+    from ftcore.training import trainer
+    from ftcore.training.evaluation import evaluate
+    from tests.support.layouts import build
+
+    with device_audit.shadow_devices():
+        state = build(["parallel.distributed_optimizer=true", "parallel.overlap_param_gather=true",
+                       "parallel.overlap_grad_reduce=true"], run_dir)  # fmt: skip
+        loss = trainer.train_step(state)["loss"]
+        ev = evaluate(state, [state.loader.next_microbatches()])
+        out = write_hf_model(state)
+    return {"loss": loss, "eval": ev.loss, "files": sorted(p.name for p in out.iterdir())}
+
+
+@pytest.mark.dist
+def test_dp2_evaluation_and_export_collectives_get_gpu_tensors(pool2, tmp_path):
+    res = pool2.run(dp2_full_eval_export, str(tmp_path))
+    assert res[0]["eval"] == res[1]["eval"] and torch.isfinite(torch.tensor(res[0]["eval"]))
+    assert "config.json" in res[0]["files"], res[0]

@@ -170,3 +170,31 @@ def test_old_dp_reshardable_checkpoint(pool2, started, tmp_path):
     other = pool2.run(second_half, [DIST_OPT], str(tmp_path / "run"), 1)
     assert other[0]["start"] == 2
     assert any("older dp_reshardable format" in n and "tp=2" in n for n in other[0]["notes"])
+
+
+def te_adam_case(overrides: list[str], run_dir: str) -> dict:
+    """With TE's FusedAdam as megatron's inner optimizer (a CPU stand-in with its checkpoint
+    contract: tests/support/te_fused_adam.py): 4 steps straight, and 2 + save + resume + 2 with a
+    save after each resumed step (every later save must work too)."""
+    from tests.support.te_fused_adam import FusedAdamStandIn, megatron_with_te_adam
+
+    with megatron_with_te_adam():
+        state = build_resumed(overrides, f"{run_dir}/ref", resume="never")
+        assert isinstance(state.optimizer.optimizer, FusedAdamStandIn)
+        ref = train(state, 4)
+        first_half(overrides, f"{run_dir}/run", 2)
+        got = second_half(overrides, f"{run_dir}/run", 0)
+        state = build_resumed(overrides, f"{run_dir}/run", resume="auto")
+        loss = train(state, 2, save_every=1)
+    return {"ref": ref, "loss": loss, "start": got["start"], "notes": got["notes"]}
+
+
+@pytest.mark.dist
+def test_distributed_optimizer_resumes_with_te_fused_adam(pool2, tmp_path):
+    """Issue 41, item 1: resume gave TE's FusedAdam a per-parameter `step`, which its
+    state_dict() cannot name (KeyError, reported as 'could not be loaded'), and every later save
+    failed too. DP=2 with the distributed optimizer: resumed losses are the uninterrupted ones."""
+    got = pool2.run(te_adam_case, [DIST_OPT], str(tmp_path))
+    for g in got:
+        assert g["start"] == 2 and g["notes"] == [], g
+        assert g["loss"] == g["ref"][2:], (g["loss"], g["ref"])

@@ -197,8 +197,11 @@ def test_dry_run_runs_the_jobs_checks(tmp_path):
         ("405b_nvfp4_lora", ["cluster=h100"], "precision:", "h100"),
         ("8b_lora", ["data.path=typo.jsonl"], "data.path:", "typo.jsonl"),
         ("8b_lora", ["parallel.tp=3"], "parallel.tp:", "tp=3"),
+        # issue 41, item 3: TE's CP attention takes packed (THD) rows with p2p only
+        ("70b_lora_128k", ["parallel.cp_comm_type=a2a"], "parallel.cp_comm_type:", "p2p"),
+        ("70b_lora_128k", ["parallel.cp_comm_type=all_gather"], "parallel.cp_comm_type:", "p2p"),
     ],
-    ids=["hardware_of_the_target", "data_path", "divisibility"],
+    ids=["hardware_of_the_target", "data_path", "divisibility", "thd_a2a", "thd_all_gather"],
 )
 def test_dry_run_refuses_what_the_job_would(script, overrides, field, words, tmp_path):
     d = sbatch_directives(SLURM / f"{script}.sh")

@@ -112,8 +112,9 @@ def test_kv_exchange_priced_by_comm_type(base):
 
 def test_search_proposes_only_cp_layouts_validation_accepts(base):
     """Every searched layout passes validation/checks.py's sequence checks (the same rules,
-    planner/cp.py): seq_len a multiple of tp*2*cp under sp, a2a only where heads divide."""
-    cfg = replace(base, cluster={"gpus_per_node": 8})
+    planner/cp.py): seq_len a multiple of tp*2*cp under sp, a2a only where heads divide (on
+    unpacked rows: packed ones take p2p only, test_packed_rows_under_te_take_p2p_only)."""
+    cfg = replace(base, cluster={"gpus_per_node": 8}, data={"packing": False})
     seen = set()
     for lay in search.layouts(cfg, 16, vary_recompute=False):
         c = search._with(cfg, **lay)
@@ -137,3 +138,20 @@ def test_search_rows_select_their_comm_type(base):
     r = next(r for r in rows if r["cp"] > 1)
     p = planner.plan(compose([*LONG, *r["overrides"].split()]), 4)
     assert p["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s_per_gpu"], rel=1e-9)
+
+
+@pytest.mark.parametrize("comm", ["all_gather", "a2a", "a2a+p2p"])
+def test_packed_rows_under_te_take_p2p_only(comm):
+    """Issue 41, item 3 (TE 2.9's rule, planner/cp.py THD_COMM_TYPES): packed rows on a GPU with
+    TE layers are refused for every comm type but p2p; unpacked rows, local layers and the CPU
+    runtime keep them all."""
+    hier = ["parallel.hierarchical_cp_sizes=[2,1]"] if comm == "a2a+p2p" else []
+    over = [*LONG, "model.allow_random_base=true", *hier]
+    with pytest.raises(checks.FtcoreError) as e:
+        checks.check_sequence(compose([*over, f"parallel.cp_comm_type={comm}"]))
+    assert e.value.field == "parallel.cp_comm_type" and "p2p" in e.value.fix
+    checks.check_sequence(compose([*LONG, "parallel.cp_comm_type=p2p"]))
+    for ok in (["data.packing=false"], ["precision.te_layers=false"], ["cluster=local_cpu"]):
+        checks.check_sequence(compose([*over, f"parallel.cp_comm_type={comm}", *ok]))
+    comms = {r.get("cp_comm_type") for r in search.layouts(compose(LONG), 8) if r["cp"] > 1}
+    assert comms == {"p2p"}, comms  # the layout search applies the same rule

@@ -41,6 +41,11 @@ def test_every_gpu_test_run_validates_on_its_target(name):
     case = CASES[name]
     cfg = compose(case.overrides())
     assert cfg.cluster.device == "cuda", "a GPU test must target a CUDA cluster"
+    if case.refused:  # the GPU test checks the refusal happens on the GPU too
+        with pytest.raises(FtcoreError) as e:
+            check_on_target(cfg, case.gpus)
+        assert e.value.field == case.refused, e.value
+        return
     check_on_target(cfg, case.gpus)
 
 
@@ -80,3 +85,28 @@ def test_require_te_turns_a_missing_te_into_an_error(monkeypatch):
     assert compose(CASES["bf16_te"].overrides()).gpu.require_te is False
     validate(cfg := compose(CASES["bf16_te"].overrides()), 1, device=no_te)  # local layers
     assert not cfg.gpu.require_te
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["data.packing=true", "train.micro_batch_size=1"],
+     ["data.packing=false", "parallel.cp=2", "cluster.num_gpus=2"]],
+    ids=["packed", "cp2"],
+)  # fmt: skip
+def test_fp32_with_te_layers_and_thd_or_cp_is_refused(extra):
+    """Issue 41, item 6 (TE 2.9's backend rules, recipes.check_te_attention): fp32 leaves TE's
+    attention no backend for packed rows or CP; tiny_full's defaults on a TE GPU hit it. bf16
+    or megatron's local layers run; without TE (local layers) nothing is refused."""
+    over = ["+exp=tiny_full", "cluster=h100", "cluster.num_gpus=1", *extra]
+    with pytest.raises(FtcoreError) as e:
+        check_on_target(compose(over), 1 if "parallel.cp=2" not in extra else 2)
+    assert e.value.field == "precision" and "te_layers=false" in e.value.fix
+    n = 2 if "parallel.cp=2" in extra else 1
+    for ok in ("precision=bf16", "precision.te_layers=false"):
+        check_on_target(compose([*over, ok]), n)
+    no_te = hardware.simulated_device(compose(over), te=None, cuda_version=IMAGE.cuda)
+    validate(compose(over), n, device=no_te)
+    with pytest.raises(FtcoreError, match="attention backend"):  # the dry run's target check too
+        from ftcore.validation.preflight import check_target_hardware
+
+        check_target_hardware(compose(over))

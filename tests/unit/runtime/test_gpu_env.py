@@ -33,3 +33,40 @@ def test_user_values_win_and_outer_choices_are_redone():
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
     assert "NVTE_FWD_LAYERNORM_SM_MARGIN" not in env
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "mine"
+
+
+def test_a_plain_torchrun_process_gets_the_environment_first():
+    """Issue 41, item 9: a rank started by plain torchrun (RANK, WORLD_SIZE, ... set; no ftcore
+    launcher above it) sets the GPU environment itself, as the first thing it does: here on a
+    machine without CUDA, before it exits 2 for the missing GPU."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.cli import ROOT
+
+    env = {
+        k: v for k, v in os.environ.items() if k not in gpu_env.gpu_env(compose(["+exp=70b_fp8"]))
+    }
+    env.pop(gpu_env.AUTO, None)
+    env.update(RANK="0", WORLD_SIZE="8", LOCAL_RANK="0", LOCAL_WORLD_SIZE="8",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", FTCORE_LOG_LEVEL="INFO")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "ftcore.train", "+exp=70b_fp8"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.splitlines()
+    at = [i for i, ln in enumerate(lines) if "GPU environment:" in ln]
+    assert at, proc.stderr[-2000:]
+    first = lines[at[0]]
+    for kv in ("CUDA_DEVICE_MAX_CONNECTIONS=1", "NVTE_FWD_LAYERNORM_SM_MARGIN=20",
+               "TORCH_NCCL_ASYNC_ERROR_HANDLING=3", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"):  # fmt: skip
+        assert kv in first, first
+    assert at[0] < next(i for i, ln in enumerate(lines) if "no CUDA device" in ln)
+
+
+def test_at_process_start_keeps_user_values_and_skips_cpu():
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "8", "WORLD_SIZE": "1"}
+    got = gpu_env.at_process_start(compose(["+exp=70b_fp8"]), env)
+    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "8" and "CUDA_DEVICE_MAX_CONNECTIONS" not in got
+    assert got["NVTE_BWD_LAYERNORM_SM_MARGIN"] == "20"
+    assert gpu_env.at_process_start(compose(["+exp=tiny_lora"]), env := {}) == {} and env == {}

@@ -74,6 +74,18 @@ def test_gpu_wheels_keeps_only_what_the_bare_image_lacks():
     }
 
 
+def test_gpu_wheels_bring_every_plugin_gpu_check_uses():
+    """Issue 41: the wheels left out pytest-xdist, so `make gpu-check --workers N` ran one test at a
+    time on a bare image."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_wheels", ROOT / "tools" / "gpu_wheels.py")
+    gw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gw)
+    assert {"pytest", *_gpu_check().PLUGINS} <= set(gw.TEST)
+    assert "pytest-xdist" in _gpu_check().PLUGINS
+
+
 def _gpu_check():
     import importlib.util
 
