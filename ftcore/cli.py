@@ -100,7 +100,8 @@ def main(name: str, task: Callable[[DictConfig], int | None], argv: list[str] | 
         report_user_error(f"ftcore error: {e}")
         return EXIT_USER_ERROR
     except StopRequested as e:
-        log.warning(str(e))
+        if os.environ.get("RANK", "0") == "0":  # one line, not one per rank
+            log.warning(str(e))
         return EXIT_REQUEUE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -112,7 +113,7 @@ def main(name: str, task: Callable[[DictConfig], int | None], argv: list[str] | 
 
 def report_user_error(line: str) -> None:
     """One line on stderr; a local worker (ftcore.runtime.dist.launch_local_workers) hands it to
-    its launcher instead, which prints one rank's line last, after torch elastic's report."""
+    its launcher instead, which prints one rank's line once, last."""
     errors = os.environ.get("FTCORE_WORKER_ERROR_DIR")
     if errors and os.path.isdir(errors) and "RANK" in os.environ:
         with open(os.path.join(errors, f"rank{os.environ['RANK']}"), "w") as f:
