@@ -34,6 +34,7 @@ log = logging.getLogger("ftcore")
 # Keys whose change makes the saved weights meaningless for this run (paths may move; whether a
 # random base is allowed is a check, not a shape).
 _MODEL_KEYS_IGNORED = {"hf_path", "tokenizer", "init_path", "name", "allow_random_base"}
+_PEFT_SHAPE_KEYS = ("r", "target_modules")  # what sets the adapters' tensors
 
 
 def layout() -> dict:
@@ -274,6 +275,15 @@ def check_compatible(state, common: dict, path) -> None:
             field="peft.name",
             fix="resume with the peft settings it was saved with",
         )
+    if adapter_only(now):  # a smaller rank would load a slice of each saved adapter, silently
+        shape = [f"peft.{k}: {saved.peft.get(k)} -> {now.peft.get(k)}" for k in _PEFT_SHAPE_KEYS
+                 if saved.peft.get(k) != now.peft.get(k)]  # fmt: skip
+        if shape:
+            raise FtcoreError(
+                f"checkpoint {path} holds adapters of another shape ({'; '.join(shape)})",
+                field="peft",
+                fix="resume with the peft settings it was saved with, or another run.dir",
+            )
     changed = _changed_keys(OmegaConf.to_container(saved), OmegaConf.to_container(now))
     changed = [
         k for k in changed if not k.startswith(("run.", "launcher.", "parallel.", "checkpoint."))

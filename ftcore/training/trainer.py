@@ -84,7 +84,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     torch.manual_seed(cfg.run.seed)
     with cpu.device_mode():
         model_parallel_cuda_manual_seed(cfg.run.seed)
-    # 5. One run directory for all ranks (created at step 11, once setup has succeeded).
+    # 5. One run directory for all ranks (created at step 12, once setup has succeeded).
     cfg.run.dir = rdist.broadcast_object(rdist.decide_run_dir(cfg, kind))
     run_dir = Path(cfg.run.dir)
     state = TrainState(cfg=cfg, info=info, run_dir=run_dir, dp=dp)
@@ -125,15 +125,16 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     state.optimizer = build_optimizer(cfg, state.model)
     state.scheduler = build_scheduler(cfg, state.optimizer)
     _wire_model_config(state)
-    # 11. The run directory and its config.yaml, only now: a run that fails above writes nothing.
+    # 11. Resume (model, optimizer, schedule, data position, RNG) from checkpoints/latest: its
+    #     refusals (another model, PEFT mode, data position) come before anything is written.
+    #     (Stop-request handlers are installed by fit(), for exactly as long as it checks them.)
+    store.maybe_resume(state)
+    # 12. The run directory and its config.yaml, only now: a run that fails above writes nothing.
     #     generate writes nothing at all (its output is the text); eval its eval.json later.
     if info.rank == 0 and kind == "train":
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         log.info("run directory: %s", run_dir)
-    # 12. Resume (model, optimizer, schedule, data position, RNG) from checkpoints/latest.
-    #     (Stop-request handlers are installed by fit(), for exactly as long as it checks them.)
-    store.maybe_resume(state)
     return state
 
 
@@ -267,7 +268,7 @@ def fit(state: TrainState) -> None:
             if reason and state.step < cfg.train.max_steps:
                 store.save(state, blocking=True)  # a no-op if this step's is already published
                 signals.consume(cfg, state.run_dir, state.info.rank)
-                raise StopRequested(state.step, reason)
+                raise StopRequested(state.step, reason, signals.resume_command(cfg))
             for hook in state.after_step:  # the benchmark's turn-taking (ftcore.bench.turns)
                 hook(state)
             timer.exclude(time.perf_counter() - t0)
