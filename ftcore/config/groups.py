@@ -217,7 +217,8 @@ class DataMixEntry:
 @dataclass
 class DataConfig:
     path: Optional[str] = None  # JSONL/JSON/Parquet file or directory; default: the bundled sample
-    format: str = "instruction"  # instruction | chat | text
+    # auto (from the records: ftcore/data/formats.py) | instruction | chat | prompt_completion | text
+    format: str = "auto"
     seq_len: int = 256
     packing: bool = False
     # unpacked: cut each micro-batch to its longest row (same loss, less padding compute)
@@ -298,6 +299,7 @@ class GenerateConfig:
     prompt: Optional[str] = None
     # the prompt read from this file ("-": standard input), for text Hydra's parser cannot take
     prompt_file: Optional[str] = None
+    system: Optional[str] = None  # a system turn before the prompt (the chat template renders it)
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0

@@ -23,7 +23,7 @@ def exact_match(state, path: str | None = None, *, max_samples: int | None = Non
     from ftcore.data.prompts import load_prompts
 
     cfg, tok = state.cfg, state.tokenizer
-    if cfg.data.format not in ("instruction", "chat"):
+    if cfg.data.format not in ("instruction", "chat", "prompt_completion"):
         raise FtcoreError("exact-match accuracy needs instruction or chat data", field="eval.accuracy",
                           fix="use data.format=instruction (or chat), or drop eval.accuracy")  # fmt: skip
     pairs = load_prompts(cfg, tok, path)

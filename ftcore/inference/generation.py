@@ -232,9 +232,11 @@ def generate_ids(state, prompts: list[list[int]], *, max_new_tokens: int, temper
     return out
 
 
-def prompt_ids(state, text: str) -> list[int]:
+def prompt_ids(state, text: str, system: str | None = None) -> list[int]:
+    """The ids of `text` as a user turn (after a `system` turn when given: the system prompt the
+    adapter was trained with), through the chat template up to the assistant's header."""
     from ftcore.data.templates import Renderer
 
     renderer = Renderer(state.tokenizer, "instruction", state.cfg.data.chat_template)
-    ids, _ = renderer.prompt({"instruction": text, "output": ""})
+    ids, _ = renderer.prompt({"instruction": text, "output": "", "system": system})
     return ids

@@ -53,6 +53,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     keep out of the training runs' folder (rdist.decide_run_dir) and write no config.yaml."""
     from ftcore.checkpoint import store
     from ftcore.config.presets import adapt
+    from ftcore.data import formats
     from ftcore.data.pipeline import build_train_loader, build_val_batches, set_steps_from_epochs
     from ftcore.data.tokenizer import load_tokenizer
     from ftcore.models.builder import build_model, wrap_ddp
@@ -67,6 +68,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
 
         cfg = merge_hf_config(cfg)
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # before the process group
+    formats.resolve(cfg, say=rank == "0")  # data.format=auto: what the records show
     adapt(cfg, training=training, say=rank == "0")
     # 2. Validate in the pinned order before anything heavy exists.
     launched = int(os.environ.get("WORLD_SIZE", "1"))
