@@ -60,7 +60,7 @@ def detect_source(path: str, field: str = "data.path") -> str:
 def resolve(cfg, say: bool = True) -> None:
     """Replace `auto` in data.format (and in mix entries without their own format) by what the
     records show, saying which it chose; explicit formats are kept."""
-    from ftcore.data.pipeline import bundled_data
+    from ftcore.config.schema import assets_dir
 
     d = cfg.data
     if d.format != "auto":
@@ -73,7 +73,7 @@ def resolve(cfg, say: bool = True) -> None:
                 chosen.append(f"{m.path}: {m.format}")
         d.format = d.mix[0].format
     else:
-        path = d.path or bundled_data("train")
+        path = d.path or str(assets_dir() / "data" / "train.jsonl")  # pipeline.bundled_data
         d.format = detect_source(path)
         chosen.append(f"{path}: {d.format}")
     if d.val_path:  # validation records are rendered as the training ones are
