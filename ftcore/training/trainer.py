@@ -119,7 +119,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     dp_rank = ps.get_data_parallel_rank()
     if data:
         state.loader = build_train_loader(cfg, state.tokenizer, dp_rank, dp)
-        set_steps_from_epochs(cfg, state.loader.report["rows"])
+        set_steps_from_epochs(cfg, state.loader.report["rows"], state.loader)
         if cfg.eval.interval > 0:
             state.val_batches = build_val_batches(cfg, state.tokenizer, dp_rank, dp)
     # 10. megatron DDP, optimizer over trainable params, LR schedule.
@@ -260,9 +260,7 @@ def fit(state: TrainState) -> None:
             t0 = time.perf_counter()
             collector.step(state.step)
             if cfg.eval.interval and state.step % cfg.eval.interval == 0 and state.val_batches:
-                val = evaluate(state, state.val_batches[: cfg.eval.iters]).loss
-                writer.write({"step": state.step, "eval_loss": val})
-                state.extra.setdefault("eval_losses", []).append((state.step, val))
+                _evaluate(state, writer)
             store.poll(state)  # publish a finished background save (GPU)
             if cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0:
                 store.save(state)
@@ -274,11 +272,23 @@ def fit(state: TrainState) -> None:
             for hook in state.after_step:  # the benchmark's turn-taking (ftcore.bench.turns)
                 hook(state)
             timer.exclude(time.perf_counter() - t0)
+        evaluated = [s for s, _ in state.extra.get("eval_losses", [])]
+        if (
+            state.val_batches and state.step not in evaluated
+        ):  # a run shorter than eval.interval too
+            _evaluate(state, writer)
         finish(state)
     finally:
         collector.__exit__()
         writer.close()
         signals.uninstall()
+
+
+def _evaluate(state: TrainState, writer) -> None:
+    """The validation loss now: a metrics.jsonl line, and the end summary's."""
+    val = evaluate(state, state.val_batches[: state.cfg.eval.iters]).loss
+    writer.write({"step": state.step, "eval_loss": val})
+    state.extra.setdefault("eval_losses", []).append((state.step, val))
 
 
 def finish(state: TrainState) -> None:

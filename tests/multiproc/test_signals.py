@@ -8,6 +8,7 @@ and the resume command it prints, below."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -116,8 +117,13 @@ def test_handlers_only_when_enabled_and_released(enabled):
 
 # One process, as a user runs it: Ctrl-C mid-run saves, exits 3 and prints the command that
 # resumes; that command ends with the uninterrupted run's metrics and adapter, to the last bit.
-_CTRL_C = ["+exp=tiny_lora", "train.max_steps=5", "eval.accuracy=false", "eval.interval=0",
-           "checkpoint.interval=0", "data.seq_len=64"]  # fmt: skip
+_CTRL_C = [
+    "+exp=tiny_lora",
+    "train.max_steps=5",
+    "eval.accuracy=false",
+    "checkpoint.interval=0",
+    "data.seq_len=64",
+]  # fmt: skip (eval.interval=50: longer than the run)
 
 
 def _train(*argv: str) -> subprocess.Popen:
@@ -132,7 +138,12 @@ def tiny_lora_run(tmp_path_factory) -> Path:
     """The uninterrupted run (checkpoint and adapter at its end), shared by the tests below."""
     ref = tmp_path_factory.mktemp("tiny_lora") / "ref"
     proc = _train("-m", "ftcore.train", *_CTRL_C, f"run.dir={ref}")
-    assert proc.wait(timeout=400) == 0, proc.stdout.read()[-3000:]
+    out = proc.communicate(timeout=400)[0]
+    assert proc.returncode == 0, out[-3000:]
+    # a run shorter than eval.interval still evaluates its held-out data, at its end
+    evals = [json.loads(ln) for ln in (ref / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if "eval_loss" in r] == [5]
+    assert "validation loss: final" in out, out[-3000:]
     return ref
 
 
