@@ -315,7 +315,8 @@ def restore(state, loaded: dict, path, optimizer_note: str | None = None) -> lis
             lost = [k for k in missing if k in trainable]
             if lost or unexpected:
                 raise FtcoreError(f"adapter checkpoint {path} does not match this model: missing {lost[:3]}, "
-                                  f"unexpected {list(unexpected)[:3]}", field="peft")  # fmt: skip
+                                  f"unexpected {list(unexpected)[:3]}", field="peft",
+                                  fix="resume with the peft settings it was saved with")  # fmt: skip
         else:
             unwrap(chunk).load_state_dict(part)
     with cpu.device_mode(), torch.no_grad():  # the distributed optimizer copies into fp32 params

@@ -30,7 +30,8 @@ def exact_match(state, path: str | None = None, *, max_samples: int | None = Non
     if max_samples:
         pairs = pairs[:max_samples]
     if not pairs:
-        raise FtcoreError("no prompts to compute accuracy on", field="data.val_path")
+        raise FtcoreError("no prompts to compute accuracy on", field="data.val_path",
+                          fix="data.val_path=FILE of instruction/chat records, or eval.accuracy=false")  # fmt: skip
     stop, pad = stop_ids(tok), tok.pad_token_id or 0
     correct = 0
     samples = []

@@ -188,7 +188,8 @@ def generate_ids(state, prompts: list[list[int]], *, max_new_tokens: int, temper
     total = int(lengths.max()) + max_new_tokens
     if total > cfg.model.max_position_embeddings:
         raise FtcoreError(f"prompt + max_new_tokens = {total} exceeds the model's {cfg.model.max_position_embeddings} "
-                          "positions", field="generate.max_new_tokens")  # fmt: skip
+                          "positions", field="generate.max_new_tokens",
+                          fix="a shorter prompt or fewer generate.max_new_tokens")  # fmt: skip
     tokens = torch.full((len(prompts), total + multiple), pad_id, dtype=torch.int64)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p)
