@@ -44,11 +44,17 @@ def setup_logging() -> None:
 
 def quiet_libraries(verbose: bool) -> None:
     """Warnings about the libraries, not the user's run, stay out of the way unless --verbose:
-    megatron-core's UserWarnings at import (no Apex or TE on CPU, its own deprecated defaults) and
+    megatron-core's UserWarnings at import (no Apex or TE on CPU, its own deprecated defaults),
+    torch's and megatron's FutureWarnings, and
     bitsandbytes' CPU-kernel message, which appears on runs that never quantise anything."""
     if verbose:
         return
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    # torch's and megatron's deprecation notices about their own APIs (ShardedTensor, the
+    # checkpoint loader's load_state_dict), per rank on every resume: nothing the user can change.
+    # ftcore.runtime.cpu is where the CPU runtime calls into them (the warnings point there).
+    for where in (r"megatron\.", r"torch\.", r"ftcore\.runtime\.cpu"):
+        warnings.filterwarnings("ignore", category=FutureWarning, module=where)
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
