@@ -278,6 +278,9 @@ class PlanConfig:
     # share of token positions that are loss targets; logits and the last layer's MLP run only
     # there (models/target_logits.py). 1.0 (every position) bounds memory and time from above.
     target_fraction: float = 1.0
+    # the margin `fits` keeps for what is estimated, not measured: this share of the activations
+    # (the planner is within 10% of measured activations: docs/planner.md)
+    headroom: float = 0.10
     # build each distinct pipeline stage on the meta device (one CPU process, a fake process group
     # of the job's world) and check it against the planner: `dry_build` in the plan, exit 2 when a
     # tensor is off the device or a count differs (ftcore/training/dry_build.py)

@@ -123,6 +123,7 @@ RANGES: dict[str, Range] = {
     "cluster.sp_layer_overhead_s": AT_LEAST_0,
     "plan.top": AT_LEAST_1,
     "plan.target_fraction": SHARE,
+    "plan.headroom": FRACTION,
     "export.max_shard_gb": POSITIVE,
     "generate.max_new_tokens": AT_LEAST_1,
     "generate.temperature": Range(0, note="0 = greedy"),
