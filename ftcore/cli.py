@@ -44,11 +44,17 @@ def setup_logging() -> None:
 
 def quiet_libraries(verbose: bool) -> None:
     """Warnings about the libraries, not the user's run, stay out of the way unless --verbose:
-    megatron-core's UserWarnings at import (no Apex or TE on CPU, its own deprecated defaults) and
+    megatron-core's UserWarnings at import (no Apex or TE on CPU, its own deprecated defaults),
+    torch's and megatron's FutureWarnings, and
     bitsandbytes' CPU-kernel message, which appears on runs that never quantise anything."""
     if verbose:
         return
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    # torch's and megatron's deprecation notices about their own APIs (ShardedTensor, the
+    # checkpoint loader's load_state_dict), per rank on every resume: nothing the user can change.
+    # ftcore.runtime.cpu is where the CPU runtime calls into them (the warnings point there).
+    for where in (r"megatron\.", r"torch\.", r"ftcore\.runtime\.cpu"):
+        warnings.filterwarnings("ignore", category=FutureWarning, module=where)
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
@@ -100,7 +106,8 @@ def main(name: str, task: Callable[[DictConfig], int | None], argv: list[str] | 
         report_user_error(f"ftcore error: {e}")
         return EXIT_USER_ERROR
     except StopRequested as e:
-        log.warning(str(e))
+        if os.environ.get("RANK", "0") == "0":  # one line, not one per rank
+            log.warning(str(e))
         return EXIT_REQUEUE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -112,7 +119,7 @@ def main(name: str, task: Callable[[DictConfig], int | None], argv: list[str] | 
 
 def report_user_error(line: str) -> None:
     """One line on stderr; a local worker (ftcore.runtime.dist.launch_local_workers) hands it to
-    its launcher instead, which prints one rank's line last, after torch elastic's report."""
+    its launcher instead, which prints one rank's line once, last."""
     errors = os.environ.get("FTCORE_WORKER_ERROR_DIR")
     if errors and os.path.isdir(errors) and "RANK" in os.environ:
         with open(os.path.join(errors, f"rank{os.environ['RANK']}"), "w") as f:

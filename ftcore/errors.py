@@ -20,7 +20,9 @@ class FtcoreError(Exception):
 class StopRequested(Exception):
     """Raised after a checkpoint was saved because of a signal, a stop file or run.max_time."""
 
-    def __init__(self, step: int, reason: str):
+    def __init__(self, step: int, reason: str, resume: str | None = None):
         self.step = step
         self.reason = reason
-        super().__init__(f"stopped at step {step} ({reason}); checkpoint saved, exit 3 to requeue")
+        self.resume = resume  # the command that continues the run (runtime.signals.resume_command)
+        msg = f"stopped at step {step} ({reason}); checkpoint saved, exit 3 to requeue"
+        super().__init__(msg + (f"; resume with: {resume}" if resume else ""))

@@ -36,7 +36,8 @@ def evaluate(cfg: DictConfig, state=None) -> dict:
         )
     res = evaluation.evaluate(state, batches)
     if res.tokens == 0:
-        raise FtcoreError("the evaluation data has no target tokens", field="data.path")
+        raise FtcoreError("the evaluation data has no target tokens", field="data.path",
+                          fix="data with answers (or data.format=text, every token a target)")  # fmt: skip
     loss = res.loss
     result = {"loss": loss, "tokens": res.tokens, "ppl": math.exp(min(loss, 700.0))}
     if state.cfg.eval.accuracy:  # greedy exact match on the same (instruction/chat) data

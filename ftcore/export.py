@@ -35,6 +35,7 @@ def resolve_step_dir(path: str) -> Path:
             raise FtcoreError(
                 f"{latest} points at {step}, which is not a complete checkpoint",
                 field="export.checkpoint",
+                fix="export.checkpoint=<run.dir>/checkpoints/step_<N> of a finished save",
             )
     raise FtcoreError(f"no checkpoint at {p}", field="export.checkpoint",
                       fix="point it at <run.dir>/checkpoints/step_<N>, <run.dir>/checkpoints or <run.dir>")  # fmt: skip
@@ -60,7 +61,9 @@ def merge_transform(cfg: DictConfig, run_cfg: DictConfig, step_dir: Path):
         from ftcore.peft.merge import merge_transform as peft_merge
     except ImportError as e:
         raise FtcoreError(
-            "export.merge needs ftcore.peft.merge.merge_transform", field="export.merge"
+            "export.merge needs ftcore.peft.merge.merge_transform",
+            field="export.merge",
+            fix="reinstall ftcore (pip install -e .), or export.merge=false",
         ) from e
     return peft_merge(cfg, run_cfg, step_dir)
 

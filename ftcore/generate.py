@@ -56,10 +56,11 @@ def generate(cfg: DictConfig) -> str:
     g = cfg.generate
     prompt = read_prompt(cfg)
     if g.max_new_tokens < 1:
-        raise FtcoreError("max_new_tokens must be >= 1", field="generate.max_new_tokens")
+        raise FtcoreError("max_new_tokens must be >= 1", field="generate.max_new_tokens",
+                          fix="generate.max_new_tokens=64 (or any count >= 1)")  # fmt: skip
     state = trainer.setup(cfg, data=False, kind="generate")
     tok = state.tokenizer
-    (ids,) = generate_ids(state, [prompt_ids(state, prompt)], max_new_tokens=g.max_new_tokens,
+    (ids,) = generate_ids(state, [prompt_ids(state, prompt, g.system)], max_new_tokens=g.max_new_tokens,
                           temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, stop=stop_ids(tok),
                           pad_id=tok.pad_token_id or 0, seed=cfg.run.seed)  # fmt: skip
     text = tok.decode(ids, skip_special_tokens=True)

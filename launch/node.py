@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ftcore.launch import pet_env, slurm_env
 
-from ftcore.cli import exit_process, skip_unused_imports
+from ftcore.cli import VERBOSE_ENV, exit_process, quiet_libraries, skip_unused_imports
 
 EXIT_OK, EXIT_USER_ERROR, EXIT_REQUEUE = 0, 2, 3
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     from ftcore.runtime import megatron_jit
 
     megatron_jit.install()  # the dry run's checks import megatron-core (as ftcore/cli.py does)
+    quiet_libraries(os.environ.get(VERBOSE_ENV) == "1")  # FTCORE_VERBOSE=1 shows them
     args, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.dry_run:
         args.linger = 0.0

@@ -17,7 +17,7 @@
 
 # sbatch runs a copy of this file: ask SLURM where the original (and common.sh beside it) lives.
 if [[ -z ${FTCORE_SLURM_DIR:-} ]]; then
-	[[ -n ${SLURM_JOB_ID:-} ]] && here=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
+	[[ -n ${SLURM_JOB_ID:-} ]] && command -v scontrol >/dev/null && here=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
 	FTCORE_SLURM_DIR=$(dirname "${here:-${BASH_SOURCE[0]}}")
 	[[ -f $FTCORE_SLURM_DIR/common.sh ]] || FTCORE_SLURM_DIR=${SLURM_SUBMIT_DIR:-.}/slurm
 fi

@@ -34,6 +34,7 @@ log = logging.getLogger("ftcore")
 # Keys whose change makes the saved weights meaningless for this run (paths may move; whether a
 # random base is allowed is a check, not a shape).
 _MODEL_KEYS_IGNORED = {"hf_path", "tokenizer", "init_path", "name", "allow_random_base"}
+_PEFT_SHAPE_KEYS = ("r", "target_modules")  # what sets the adapters' tensors
 
 
 def layout() -> dict:
@@ -284,6 +285,15 @@ def check_compatible(state, common: dict, path) -> None:
             field="peft.name",
             fix="resume with the peft settings it was saved with",
         )
+    if adapter_only(now):  # a smaller rank would load a slice of each saved adapter, silently
+        shape = [f"peft.{k}: {saved.peft.get(k)} -> {now.peft.get(k)}" for k in _PEFT_SHAPE_KEYS
+                 if saved.peft.get(k) != now.peft.get(k)]  # fmt: skip
+        if shape:
+            raise FtcoreError(
+                f"checkpoint {path} holds adapters of another shape ({'; '.join(shape)})",
+                field="peft",
+                fix="resume with the peft settings it was saved with, or another run.dir",
+            )
     changed = _changed_keys(OmegaConf.to_container(saved), OmegaConf.to_container(now))
     changed = [
         k for k in changed if not k.startswith(("run.", "launcher.", "parallel.", "checkpoint."))
@@ -315,7 +325,8 @@ def restore(state, loaded: dict, path, optimizer_note: str | None = None) -> lis
             lost = [k for k in missing if k in trainable]
             if lost or unexpected:
                 raise FtcoreError(f"adapter checkpoint {path} does not match this model: missing {lost[:3]}, "
-                                  f"unexpected {list(unexpected)[:3]}", field="peft")  # fmt: skip
+                                  f"unexpected {list(unexpected)[:3]}", field="peft",
+                                  fix="resume with the peft settings it was saved with")  # fmt: skip
         else:
             unwrap(chunk).load_state_dict(part)
     with cpu.device_mode(), torch.no_grad():  # the distributed optimizer copies into fp32 params

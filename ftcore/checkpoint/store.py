@@ -313,7 +313,9 @@ def load(state, path: Path) -> list[str]:
                           field="checkpoint.resume", fix="resume from an earlier step_<N>") from e  # fmt: skip
     if "ftcore" not in common:
         raise FtcoreError(
-            f"{path} is not an ftcore checkpoint (no 'ftcore' state)", field="checkpoint.resume"
+            f"{path} is not an ftcore checkpoint (no 'ftcore' state)",
+            field="checkpoint.resume",
+            fix="a step_<N> directory ftcore saved, or checkpoint.resume=never",
         )
     resume.check_compatible(state, common["ftcore"], path)
     optimizer_note = resume.optimizer_loadable(state.cfg, common["ftcore"])

@@ -223,7 +223,8 @@ class DataMixEntry:
 @dataclass
 class DataConfig:
     path: Optional[str] = None  # JSONL/JSON/Parquet file or directory; default: the bundled sample
-    format: str = "instruction"  # instruction | chat | text
+    # auto (from the records: ftcore/data/formats.py) | instruction | chat | prompt_completion | text
+    format: str = "auto"
     seq_len: int = 256
     packing: bool = False
     # unpacked: cut each micro-batch to its longest row (same loss, less padding compute)
@@ -283,6 +284,9 @@ class PlanConfig:
     # share of token positions that are loss targets; logits and the last layer's MLP run only
     # there (models/target_logits.py). 1.0 (every position) bounds memory and time from above.
     target_fraction: float = 1.0
+    # the margin `fits` keeps for what is estimated, not measured: this share of the activations
+    # (the planner is within 10% of measured activations: docs/planner.md)
+    headroom: float = 0.10
     # build each distinct pipeline stage on the meta device (one CPU process, a fake process group
     # of the job's world) and check it against the planner: `dry_build` in the plan, exit 2 when a
     # tensor is off the device or a count differs (ftcore/training/dry_build.py)
@@ -304,6 +308,7 @@ class GenerateConfig:
     prompt: Optional[str] = None
     # the prompt read from this file ("-": standard input), for text Hydra's parser cannot take
     prompt_file: Optional[str] = None
+    system: Optional[str] = None  # a system turn before the prompt (the chat template renders it)
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0

@@ -123,6 +123,7 @@ RANGES: dict[str, Range] = {
     "cluster.sp_layer_overhead_s": AT_LEAST_0,
     "plan.top": AT_LEAST_1,
     "plan.target_fraction": SHARE,
+    "plan.headroom": FRACTION,
     "export.max_shard_gb": POSITIVE,
     "generate.max_new_tokens": AT_LEAST_1,
     "generate.temperature": Range(0, note="0 = greedy"),
@@ -181,11 +182,14 @@ def check_ranges(cfg: DictConfig) -> None:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise FtcoreError(f"{value!r} is not a number", field=name)
+                raise FtcoreError(f"{value!r} is not a number", field=name,
+                                  fix=f"a number in {rng.text()}")  # fmt: skip
             if not rng.holds(float(value)):
-                raise FtcoreError(f"{value} is not in {rng.text()}", field=name)
+                raise FtcoreError(f"{value} is not in {rng.text()}", field=name,
+                                  fix=f"{name}=<a value in {rng.text()}>")  # fmt: skip
     for small, large, strict in ORDER:
         a, b = OmegaConf.select(cfg, small), OmegaConf.select(cfg, large)
         if a is None or b is None or (a < b if strict else a <= b):
             continue
-        raise FtcoreError(f"{a} must be {'<' if strict else '<='} {large}={b}", field=small)
+        raise FtcoreError(f"{a} must be {'<' if strict else '<='} {large}={b}", field=small,
+                          fix=f"lower {small} or raise {large}")  # fmt: skip

@@ -84,7 +84,8 @@ def _check_epochs(cfg: DictConfig, overrides: list[str]) -> None:
     if epochs is None:
         return
     if epochs <= 0:
-        raise FtcoreError(f"epochs must be > 0, not {epochs}", field="train.epochs")
+        raise FtcoreError(f"epochs must be > 0, not {epochs}", field="train.epochs",
+                          fix="train.epochs=1 (or any number > 0)")  # fmt: skip
     if any(o.lstrip("+~").startswith("train.max_steps=") for o in overrides):
         raise FtcoreError("both train.epochs and train.max_steps are given", field="train.epochs",
                           fix="give one: the step count is derived from epochs and the data size")  # fmt: skip

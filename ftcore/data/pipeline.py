@@ -226,6 +226,7 @@ class TrainLoader:
             docs.source_ids, counts, lengths, cfg.data.seq_len, cfg.data.packing, cfg.run.seed
         )
         self.cfg = cfg
+        self.end = None  # the stream position train.epochs ends at (set_steps_from_epochs)
         self.pin = pin_host_batches(cfg.cluster.device)
         self.report = self._report()
 
@@ -248,7 +249,7 @@ class TrainLoader:
 
     def next_rows(self) -> list[list[int]]:
         """This rank's rows of the next global batch (the whole global batch is consumed)."""
-        rows = self.sampler.take(self.global_batch)
+        rows = self.sampler.take(self.global_batch, self.end)
         return rows[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
 
     def next_microbatches(self) -> list[MicroBatch]:
@@ -301,21 +302,34 @@ def build_train_loader(cfg, tokenizer, dp_rank: int, dp_size: int) -> TrainLoade
 REPEAT_WARNING = 3  # epochs above which a run is warned that it may memorise its data
 
 
-def set_steps_from_epochs(cfg, rows: int) -> None:
+def set_steps_from_epochs(cfg, rows: int, loader: TrainLoader | None = None) -> None:
     """`train.epochs` -> `train.max_steps` (each step takes global_batch_size rows of the stream;
     a row is one sample, or several packed ones), and a warning when the run repeats its data
-    many times (whether the step count came from epochs or was given)."""
+    many times (whether the step count came from epochs or was given). With the loader, epochs
+    are exact: the last step takes only what is left of the last epoch (its other rows are empty,
+    no loss), so 40 records at a global batch of 16 train on each record once for epochs=1."""
     t = cfg.train
-    if t.epochs is not None:
-        t.max_steps = max(1, math.ceil(t.epochs * rows / t.global_batch_size))
-    epochs = t.max_steps * t.global_batch_size / max(1, rows)
-    if _rank0():
-        log.info("%d steps x %d rows = %.2f epochs of %d training rows", t.max_steps,
-                 t.global_batch_size, epochs, rows)  # fmt: skip
-        if epochs > REPEAT_WARNING:
-            log.warning("the run repeats its training data %.1f times (more than %d): it may "
-                        "memorise it; fewer steps (train.epochs / train.max_steps) or more data "
-                        "may generalise better", epochs, REPEAT_WARNING)  # fmt: skip
+    if t.epochs is not None and loader is not None:
+        loader.end = loader.sampler.end_of(t.epochs)
+        total = loader.sampler.rows_before(loader.end)
+        t.max_steps = max(1, math.ceil(total / t.global_batch_size))
+        epochs = float(t.epochs)
+        partial = total % t.global_batch_size
+        if _rank0():
+            last = f"; the last step takes the {partial} rows left" if partial else ""
+            log.info("train.epochs=%g: %d steps over %d rows (%d per epoch)%s", t.epochs,
+                     t.max_steps, total, rows, last)  # fmt: skip
+    else:
+        if t.epochs is not None:
+            t.max_steps = max(1, math.ceil(t.epochs * rows / t.global_batch_size))
+        epochs = t.max_steps * t.global_batch_size / max(1, rows)
+        if _rank0():
+            log.info("%d steps x %d rows = %.2f epochs of %d training rows", t.max_steps,
+                     t.global_batch_size, epochs, rows)  # fmt: skip
+    if _rank0() and epochs > REPEAT_WARNING:
+        log.warning("the run repeats its training data %.1f times (more than %d): it may "
+                    "memorise it; fewer steps (train.epochs / train.max_steps) or more data "
+                    "may generalise better", epochs, REPEAT_WARNING)  # fmt: skip
 
 
 def _val_docs(cfg, tokenizer, path: str | None) -> Docs:

@@ -3,6 +3,7 @@ data's records (or those data.val_fraction holds out of each training source), r
 
 from __future__ import annotations
 
+from ftcore.data import formats
 from ftcore.data.pipeline import bundled_data, held_out_split, train_sources
 from ftcore.errors import FtcoreError
 
@@ -21,7 +22,8 @@ def load_prompts(cfg, tokenizer, path: str | None = None) -> list[tuple[list[int
         raise FtcoreError(
             "no data to compute accuracy on", field="data.val_path", fix="set data.val_path"
         )
-    return _prompts(cfg, Renderer(tokenizer, d.format, d.chat_template, d.train_on_prompt), path)
+    fmt = d.format if d.format != "auto" else formats.detect_source(path)
+    return _prompts(cfg, Renderer(tokenizer, fmt, d.chat_template, d.train_on_prompt), path)
 
 
 def _held_out_prompts(cfg, tokenizer) -> list[tuple[list[int], str]]:
@@ -33,6 +35,7 @@ def _held_out_prompts(cfg, tokenizer) -> list[tuple[list[int], str]]:
     d, out = cfg.data, []
     for path, _, fmt, _ in train_sources(cfg):
         fmt = fmt or d.format
+        fmt = fmt if fmt != "auto" else formats.detect_source(path)
         if fmt == "text":
             continue
         renderer = Renderer(tokenizer, fmt, d.chat_template, d.train_on_prompt)

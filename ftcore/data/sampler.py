@@ -10,6 +10,8 @@ so a resumed run, at any DP size, sees exactly the rows the uninterrupted run wo
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ftcore.data.packing import pack
@@ -63,10 +65,29 @@ class Sampler:
         self._cache = (epoch, rows)
         return rows
 
-    def take(self, n: int) -> list[list[int]]:
-        """The next n rows of the stream (advances the position)."""
+    def end_of(self, epochs: float) -> tuple[int, int]:
+        """The stream position (epoch, index) after `epochs` passes over the data (a fraction of
+        the last epoch's rows, rounded up)."""
+        whole = int(epochs)
+        index = math.ceil((epochs - whole) * len(self.rows(whole))) if epochs > whole else 0
+        return whole, index
+
+    def rows_before(self, end: tuple[int, int]) -> int:
+        """Rows of the stream from its start up to the position `end`."""
+        return sum(len(self.rows(e)) for e in range(end[0])) + end[1]
+
+    def take(self, n: int, end: tuple[int, int] | None = None) -> list[list[int]]:
+        """The next n rows of the stream (advances the position); past `end` (train.epochs), empty
+        rows: all padding, no targets, so the last step covers what is left of the last epoch."""
         out: list[list[int]] = []
         while len(out) < n:
+            if end is not None and (self.epoch, self.index) >= end:
+                return out + [[] for _ in range(n - len(out))]
+            if end is not None and self.epoch == end[0]:
+                k = min(n - len(out), end[1] - self.index)
+                out += self.rows(self.epoch)[self.index : self.index + k]
+                self.index += k
+                continue
             rows = self.rows(self.epoch)
             if not rows:
                 raise RuntimeError("an epoch without rows")

@@ -51,7 +51,7 @@ PROBES = (
         {"role": "assistant", "content": "It is 8."},
     ],
 )
-FORMATS = ("instruction", "chat", "text")
+FORMATS = ("instruction", "chat", "prompt_completion", "text")
 
 
 class BadRecord(ValueError):
@@ -112,7 +112,8 @@ def _string(rec: dict, key: str, *, required: bool = True) -> str | None:
 
 
 def to_messages(rec, fmt: str) -> list[dict]:
-    """An `instruction` or `chat` record as a checked list of {"role", "content"} messages."""
+    """An `instruction`, `chat` or message-list `prompt_completion` record as a checked list of
+    {"role", "content"} messages."""
     if not isinstance(rec, dict):
         raise BadRecord(f"a record must be a JSON object, got {type(rec).__name__}")
     if fmt == "instruction":
@@ -121,6 +122,11 @@ def to_messages(rec, fmt: str) -> list[dict]:
         user = instruction + (f"\n\n{inp}" if inp else "")
         msgs = [{"role": "system", "content": system}] if system else []
         return msgs + [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    if fmt == "prompt_completion":  # TRL's conversational prompt-completion: two message lists
+        prompt, completion = rec.get("prompt"), rec.get("completion")
+        if not isinstance(prompt, list) or not isinstance(completion, list):
+            raise BadRecord('"prompt" and "completion" must both be strings or both message lists')
+        return to_messages({"messages": prompt + completion}, "chat")
     messages = rec.get("messages")
     if messages is None:
         raise BadRecord('missing field "messages"')
@@ -150,13 +156,22 @@ class Renderer:
                 f"unknown format {fmt}", field="data.format", fix=f"use one of {', '.join(FORMATS)}"
             )
         self.tok, self.fmt, self.train_on_prompt = tokenizer, fmt, train_on_prompt
-        self.template = resolve_template(tokenizer, template) if fmt != "text" else None
+        self.template = None
+        if fmt == "prompt_completion":  # strings need no template; message lists do (render)
+            try:
+                self.template = resolve_template(tokenizer, template)
+            except FtcoreError:
+                pass
+        elif fmt != "text":
+            self.template = resolve_template(tokenizer, template)
         # text format: tokenizer(text)["input_ids"] + [eos_token_id], as the eval contract pins it
         self.text_eos = tokenizer.eos_token_id
         if self.template is not None:
             self.check_boundaries()
 
     def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
+        if self.template is None:
+            raise BadRecord("message lists need a chat template (data.chat_template)")
         try:
             return self.tok.apply_chat_template(
                 messages,
@@ -272,6 +287,9 @@ class Renderer:
         """(prompt ids up to the last assistant turn's generation prompt, that turn's answer): what
         exact-match accuracy and `ftcore.generate` generate from. Tokenized as `encode` does, so
         the ids are those the trained sequence starts with (check_boundaries)."""
+        plain = self._plain_prompt_completion(rec)
+        if plain is not None:
+            return list(self.tok(plain[0])["input_ids"]), plain[1]
         msgs = to_messages(rec, self.fmt)
         last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
         return self.ids(self.render(msgs[:last], True)), msgs[last]["content"]
@@ -285,4 +303,28 @@ class Renderer:
             if self.text_eos is not None:
                 ids.append(self.text_eos)
             return Doc(np.asarray(ids, np.int32), np.ones(len(ids), bool))
+        plain = self._plain_prompt_completion(rec)
+        if plain is not None:
+            return self._prompt_completion(*plain)
         return self.encode(to_messages(rec, self.fmt))
+
+    def _plain_prompt_completion(self, rec) -> tuple[str, str] | None:
+        """(prompt, completion) of a prompt_completion record holding strings; None otherwise."""
+        if self.fmt != "prompt_completion" or not isinstance(rec, dict):
+            return None
+        if isinstance(rec.get("prompt"), list) or isinstance(rec.get("completion"), list):
+            return None
+        return _string(rec, "prompt"), _string(rec, "completion")
+
+    def _prompt_completion(self, prompt: str, completion: str) -> Doc:
+        """As TRL's SFT trainer: plain text, the completion ending in the eos token, tokenized with
+        the tokenizer's special tokens; the first len(tokenize(prompt)) ids are the prompt (no
+        loss unless data.train_on_prompt), the rest the targets."""
+        eos = self.tok.eos_token
+        if eos and not completion.endswith(eos):
+            completion += eos
+        prompt_ids = self.tok(prompt)["input_ids"]
+        ids = np.asarray(self.tok(prompt + completion)["input_ids"], np.int32)
+        targets = np.ones(len(ids), bool)
+        targets[: len(prompt_ids)] = self.train_on_prompt
+        return Doc(ids, targets)

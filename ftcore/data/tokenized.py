@@ -136,11 +136,7 @@ def _build(
             if isinstance(doc, (BadRecord, sources.RecordError)):
                 e = doc
                 if on_bad != "skip":
-                    raise FtcoreError(
-                        f"{where}: {e}",
-                        field="data.path",
-                        fix="fix or remove the record, or skip bad records with data.on_bad_record=skip",
-                    ) from None
+                    raise _bad_record(where, e, writer.docs > 0 or _any_good(docs)) from None
                 bad += 1
                 if len(examples) < 5:
                     examples.append(f"{where}: {e}")
@@ -166,6 +162,27 @@ def _build(
     if out is None:
         raise _unwritable(entry, OSError("the entry written cannot be read back"))
     return out
+
+
+LOOK_AHEAD = 1000  # records read past the first bad one to find whether skipping would keep any
+
+
+def _any_good(docs) -> bool:
+    """Whether one of the next LOOK_AHEAD records is usable (only on the way to an error)."""
+    for _, (_, doc) in zip(range(LOOK_AHEAD), docs):
+        if not isinstance(doc, (BadRecord, sources.RecordError)):
+            return True
+    return False
+
+
+def _bad_record(where: str, e: Exception, others_usable: bool) -> FtcoreError:
+    """The first bad record; skipping is offered only where it would keep some records."""
+    if others_usable:
+        fix = "fix or remove the record, or skip bad records with data.on_bad_record=skip"
+    else:
+        fix = ("the records around it have the same problem: check data.format (default auto: "
+               "from the first record) and the records' shape (docs/data.md)")  # fmt: skip
+    return FtcoreError(f"{where}: {e}", field="data.path", fix=fix)
 
 
 def _unwritable(entry: Path, e: OSError) -> FtcoreError:
@@ -200,6 +217,10 @@ def tokenize_source(
     """The documents of one data path, from the cache when it is there."""
     fmt = fmt or data_cfg.format
     files = sources.resolve(path, field)
+    if fmt == "auto":  # a caller that did not resolve the config first (formats.resolve)
+        from ftcore.data import formats
+
+        fmt = formats.detect_source(path, field)
     renderer = Renderer(tokenizer, fmt, data_cfg.chat_template, data_cfg.train_on_prompt)
     described = sources.describe(files)
     key = json.dumps(

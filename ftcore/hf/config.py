@@ -41,7 +41,11 @@ def read_hf_config(path: str, field: str = "model.hf_path", seq_len: int | None 
     try:
         hf = json.loads(f.read_text())
     except (OSError, ValueError) as e:
-        raise FtcoreError(f"{f} is not valid JSON: {e}", field=field) from e
+        raise FtcoreError(
+            f"{f} is not valid JSON: {e}",
+            field=field,
+            fix="restore config.json from the model's original files",
+        ) from e  # fmt: skip
     _check_supported(hf, f, field)
     check_sliding_window(hf, f, seq_len)
     return hf
@@ -151,13 +155,19 @@ def model_fields(hf: dict, f: str = "config.json") -> dict:
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         }
     except KeyError as e:
-        raise FtcoreError(f"{f} has no {e.args[0]!r}", field="model.hf_path") from e
+        raise FtcoreError(
+            f"{f} has no {e.args[0]!r}",
+            field="model.hf_path",
+            fix="restore config.json from the model's original files",
+        ) from e  # fmt: skip
     scaling = rope_scaling(hf)
     if scaling is not None:
         missing = [k for k in ROPE_FIELDS if k not in scaling]
         if missing:
             raise FtcoreError(
-                f"{f}: llama3 rope scaling lacks {', '.join(missing)}", field="model.hf_path"
+                f"{f}: llama3 rope scaling lacks {', '.join(missing)}",
+                field="model.hf_path",
+                fix="restore config.json's rope_scaling from the model's original files",
             )
         out["rope_scaling"] = {k: scaling[k] for k in ROPE_FIELDS}
     else:

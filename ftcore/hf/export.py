@@ -209,7 +209,8 @@ def export_checkpoint(step_dir: str | Path, run_cfg, out: str | Path, *, dtype: 
     missing = [n for n in names if not reader.has(n)]
     if missing:
         raise FtcoreError(f"{step_dir} lacks {missing[0]} (and {len(missing) - 1} more) for the model in "
-                          "its config.yaml", field="export.checkpoint")  # fmt: skip
+                          "its config.yaml", field="export.checkpoint",
+                          fix="export a checkpoint of this run (or its run.dir's config.yaml unchanged)")  # fmt: skip
     torch_dtype = DTYPES[dtype] if dtype else reader.meta(names[0])[1]
     files = plan_files(s, torch_dtype, lambda h: 0, max_shard_gb * 1e9)
     out = Path(out)

@@ -70,7 +70,9 @@ class SafetensorsDir:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (OSError, ValueError, KeyError) as e:
                 raise FtcoreError(
-                    f"{index} is not a valid safetensors index ({e})", field=field
+                    f"{index} is not a valid safetensors index ({e})",
+                    field=field,
+                    fix="download model.safetensors.index.json again",
                 ) from e
             self.files = {k: self.root / v for k, v in weight_map.items()}
         else:
@@ -96,7 +98,9 @@ class SafetensorsDir:
         header = self._header(path, name)
         if name not in header:
             raise FtcoreError(
-                f"{path} does not hold tensor {name} (the index says it does)", field=self.field
+                f"{path} does not hold tensor {name} (the index says it does)",
+                field=self.field,
+                fix="download the checkpoint's files again (one is incomplete)",
             )
         return path, header[name]
 
@@ -142,7 +146,7 @@ def weights_source(cfg: DictConfig) -> tuple[Path, str]:
         p = assets_dir() / cfg.model.init_path
     if not p.is_dir():
         raise FtcoreError(f"{cfg.model.init_path} is not a directory (nor one under the bundled assets)",
-                          field="model.init_path")  # fmt: skip
+                          field="model.init_path", fix="a directory holding model.safetensors")  # fmt: skip
     return p, "model.init_path"
 
 
@@ -210,7 +214,9 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
         row = _fill_rows(st, name, dst, pieces, field)
         if row != p.shape[0]:
             raise FtcoreError(
-                f"{name}: {', '.join(mp.hf)} filled {row} of {p.shape[0]} rows", field=field
+                f"{name}: {', '.join(mp.hf)} filled {row} of {p.shape[0]} rows",
+                field=field,
+                fix="a checkpoint of the model config.json describes (download it again)",
             )
         if take is not None:
             take(dst)  # quantized as read: the full-precision shard is dropped right here
@@ -237,7 +243,8 @@ def _fill_rows(st: SafetensorsDir, name: str, dst: torch.Tensor, pieces, field: 
             rows = dst[row : row + t.shape[0]]  # 1-D too: a TP shard of the q/k/v bias
             if tuple(t.shape) != tuple(rows.shape):
                 raise FtcoreError(f"{name}: {block.hf} rows {block.rows} give {tuple(t.shape)}, the "
-                                  f"parameter's slice is {tuple(rows.shape)}", field=field)  # fmt: skip
+                                  f"parameter's slice is {tuple(rows.shape)}", field=field,
+                                  fix="a checkpoint of the model config.json describes")  # fmt: skip
             rows.copy_(t)
             row += t.shape[0]
             del t

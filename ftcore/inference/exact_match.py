@@ -23,14 +23,15 @@ def exact_match(state, path: str | None = None, *, max_samples: int | None = Non
     from ftcore.data.prompts import load_prompts
 
     cfg, tok = state.cfg, state.tokenizer
-    if cfg.data.format not in ("instruction", "chat"):
+    if cfg.data.format not in ("instruction", "chat", "prompt_completion"):
         raise FtcoreError("exact-match accuracy needs instruction or chat data", field="eval.accuracy",
                           fix="use data.format=instruction (or chat), or drop eval.accuracy")  # fmt: skip
     pairs = load_prompts(cfg, tok, path)
     if max_samples:
         pairs = pairs[:max_samples]
     if not pairs:
-        raise FtcoreError("no prompts to compute accuracy on", field="data.val_path")
+        raise FtcoreError("no prompts to compute accuracy on", field="data.val_path",
+                          fix="data.val_path=FILE of instruction/chat records, or eval.accuracy=false")  # fmt: skip
     stop, pad = stop_ids(tok), tok.pad_token_id or 0
     correct = 0
     samples = []

@@ -188,7 +188,8 @@ def generate_ids(state, prompts: list[list[int]], *, max_new_tokens: int, temper
     total = int(lengths.max()) + max_new_tokens
     if total > cfg.model.max_position_embeddings:
         raise FtcoreError(f"prompt + max_new_tokens = {total} exceeds the model's {cfg.model.max_position_embeddings} "
-                          "positions", field="generate.max_new_tokens")  # fmt: skip
+                          "positions", field="generate.max_new_tokens",
+                          fix="a shorter prompt or fewer generate.max_new_tokens")  # fmt: skip
     tokens = torch.full((len(prompts), total + multiple), pad_id, dtype=torch.int64)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p)
@@ -232,9 +233,11 @@ def generate_ids(state, prompts: list[list[int]], *, max_new_tokens: int, temper
     return out
 
 
-def prompt_ids(state, text: str) -> list[int]:
+def prompt_ids(state, text: str, system: str | None = None) -> list[int]:
+    """The ids of `text` as a user turn (after a `system` turn when given: the system prompt the
+    adapter was trained with), through the chat template up to the assistant's header."""
     from ftcore.data.templates import Renderer
 
     renderer = Renderer(state.tokenizer, "instruction", state.cfg.data.chat_template)
-    ids, _ = renderer.prompt({"instruction": text, "output": ""})
+    ids, _ = renderer.prompt({"instruction": text, "output": "", "system": system})
     return ids

@@ -127,7 +127,8 @@ class _Deferred(NF4ParallelLinear):
     def __init__(self, input_size: int, output_size: int, *, config, double_quant: bool,
                  bias: bool = False, **_):  # fmt: skip
         if bias:
-            raise FtcoreError("QLoRA supports linears without bias only", field="peft.name")
+            raise FtcoreError("QLoRA supports linears without bias only", field="peft.name",
+                              fix="peft=lora on this base (its linears have biases)")  # fmt: skip
         tp = parallel_state.get_tensor_model_parallel_world_size()
         col = self.COLUMN
         shape = (output_size // tp, input_size) if col else (output_size, input_size // tp)
@@ -174,7 +175,8 @@ def quantize_linear(base: nn.Module, *, double_quant: bool, sp: bool) -> nn.Modu
         raise FtcoreError(f"QLoRA needs megatron's local linears, got {type(base).__name__}", field="peft.name",
                           fix="QLoRA builds with the local layer spec (precision.te_layers is ignored)")  # fmt: skip
     if getattr(base, "bias", None) is not None and base.bias.numel():
-        raise FtcoreError("QLoRA supports linears without bias only", field="peft.name")
+        raise FtcoreError("QLoRA supports linears without bias only", field="peft.name",
+                          fix="peft=lora on this base (its linears have biases)")  # fmt: skip
     w = base.weight.detach()
     m = NF4ParallelLinear(w.shape, w.dtype, w.device, column=isinstance(base, ColumnParallelLinear),
                           sp=sp, double_quant=double_quant)  # fmt: skip

@@ -131,7 +131,11 @@ def read_adapter_config(path: str) -> dict:
     try:
         return json.loads(f.read_text())
     except json.JSONDecodeError as e:
-        raise FtcoreError(f"{f} is not valid JSON: {e}", field="peft.adapter_path") from e
+        raise FtcoreError(
+            f"{f} is not valid JSON: {e}",
+            field="peft.adapter_path",
+            fix="restore adapter_config.json as PEFT wrote it",
+        ) from e  # fmt: skip
 
 
 def adapter_file(path) -> Path:
@@ -152,7 +156,8 @@ def by_module(sd: dict, field: str) -> dict[tuple[int, str, str], object]:
         m = PEFT_KEY.search(k)
         if m is None or m.group(3) not in HF_PARENT:
             raise FtcoreError(f"the adapter holds {k}, which ftcore cannot load (only LoRA on "
-                              f"{', '.join(HF_PARENT)})", field=field)  # fmt: skip
+                              f"{', '.join(HF_PARENT)})", field=field,
+                              fix="a LoRA adapter on the attention and MLP projections")  # fmt: skip  # fmt: skip
         out[(int(m.group(1)), m.group(3), m.group(4))] = t
     return out
 
@@ -196,7 +201,7 @@ def settings(cfg: DictConfig) -> LoraSettings:
         ac = read_adapter_config(p.adapter_path)
         if str(ac.get("peft_type", "LORA")).upper() != "LORA":
             raise FtcoreError(f"{p.adapter_path} holds a {ac['peft_type']} adapter, not LoRA",
-                              field="peft.adapter_path")  # fmt: skip
+                              field="peft.adapter_path", fix="a LoRA adapter directory")  # fmt: skip
         tm = ac.get("target_modules") or []
         targets = tuple(
             sorted(tm, key=list(HF_NAMES).index) if all(t in HF_NAMES for t in tm) else tm
@@ -232,10 +237,13 @@ def check_config(cfg: DictConfig) -> None:
     if s.r <= 0:
         raise FtcoreError(f"rank must be > 0, got {s.r}", field="peft.r", fix="use e.g. peft.r=16")
     if not s.alpha > 0:
-        raise FtcoreError(f"lora_alpha must be > 0, got {s.alpha}", field="peft.lora_alpha")
+        raise FtcoreError(f"lora_alpha must be > 0, got {s.alpha}", field="peft.lora_alpha",
+                          fix="peft.lora_alpha=32 (or any number > 0)")  # fmt: skip
     if not 0.0 <= s.dropout < 1.0:
         raise FtcoreError(
-            f"lora_dropout must be in [0, 1), got {s.dropout}", field="peft.lora_dropout"
+            f"lora_dropout must be in [0, 1), got {s.dropout}",
+            field="peft.lora_dropout",
+            fix="peft.lora_dropout=0.0 (or any value in [0, 1))",
         )
     if not s.targets:
         raise FtcoreError("no target modules", field="peft.target_modules",

@@ -82,7 +82,8 @@ def write_merged_model(base_dir, adapter_dir, out_dir) -> Path:
     deltas = merge_deltas(adapter_config, sd)
     shards = sorted(base_dir.glob("*.safetensors"))
     if not shards:
-        raise FtcoreError(f"{base_dir} has no safetensors weights", field="model.hf_path")
+        raise FtcoreError(f"{base_dir} has no safetensors weights", field="model.hf_path",
+                          fix="model.hf_path=DIR holding the base's *.safetensors")  # fmt: skip
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -94,7 +95,8 @@ def write_merged_model(base_dir, adapter_dir, out_dir) -> Path:
     missing = set(deltas) - done
     if missing:
         raise FtcoreError(f"the base has no {sorted(missing)[0]} (and {len(missing) - 1} more): the "
-                          "adapter was trained on another base", field="export.merge")  # fmt: skip
+                          "adapter was trained on another base", field="export.merge",
+                          fix="model.hf_path=<the base the adapter was trained on>")  # fmt: skip
     for f in base_dir.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and not (tmp / f.name).exists():
             shutil.copy2(f, tmp / f.name)

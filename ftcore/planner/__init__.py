@@ -9,6 +9,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
+from ftcore.planner import memory
 from ftcore.planner import throughput as _throughput
 from ftcore.planner.cp import comm_type as cp_comm_type
 from ftcore.planner.labels import labels
@@ -45,12 +46,14 @@ def check_fit(cfg: DictConfig, world_size: int) -> None:
     stages = all_stages(cfg, world_of(cfg, world_size))
     worst = worst_stage(stages)
     cap = capacity(cfg)
-    if worst.total <= cap:
+    if memory.fits(cfg, worst, cap):
         return
     name, size = worst.largest()
+    keep = memory.margin(cfg, worst)
     raise FtcoreError(
         f"predicted out of memory: pipeline stage {worst.pp_rank} needs {worst.total / GiB:.1f} GiB "
-        f"per GPU of {cap / GiB:.1f} GiB on {cfg.cluster.name} (largest term: {name} "
+        f"+ {keep / GiB:.1f} GiB headroom (plan.headroom={cfg.plan.headroom} of the estimated "
+        f"activations) per GPU of {cap / GiB:.1f} GiB on {cfg.cluster.name} (largest term: {name} "
         f"{size / GiB:.1f} GiB; `python -m ftcore.plan` shows every term)",
         field="cluster.gpu_mem_gib",
         fix="add GPUs or change the layout (parallel.tp/pp, distributed_optimizer, recompute, "
@@ -137,7 +140,9 @@ def plan(cfg: DictConfig, world_size: int | None = None) -> dict:
         "worst_stage": worst.pp_rank,
         "host_gib": _host_gib(cfg, world),
         "stages": [_stage_json(s) for s in stages],
-        "fits": worst.total <= cap,
+        "fits": memory.fits(cfg, worst, cap),
+        "headroom_gib": memory.margin(cfg, worst) / GiB,
+        "spare_gib": (cap - worst.total) / GiB,
         "gpus_needed": gpus_needed(cfg),
         "tokens_per_s_per_gpu": speed["tokens_per_s_per_gpu"],
         "model_tflops_per_gpu": speed["model_tflops_per_gpu"],

@@ -33,6 +33,18 @@ from ftcore.planner.layers import split_layers
 from ftcore.planner.params import Param, init_method, linear_shapes, padded_vocab, rank_params
 from ftcore.planner.view import view
 
+
+def margin(cfg, stage) -> float:
+    """Bytes `fits` keeps free on a stage: plan.headroom of its activations, the estimated term
+    (the model state is exact; activations are within 10% of measured on CPU, assumed on GPU)."""
+    plan = getattr(cfg, "plan", None)
+    return float(getattr(plan, "headroom", 0.0) or 0.0) * stage.activations
+
+
+def fits(cfg, stage, cap: float) -> bool:
+    return stage.total + margin(cfg, stage) <= cap
+
+
 GiB = 1024**3
 GRAD_REDUCE_IN_FP32 = (
     True  # the default (perf.grad_reduce_dtype=fp32); grad_bytes() reads the config

@@ -33,8 +33,10 @@ def table(p: dict, ranked: list[dict] | None = None) -> str:
         f"(with the loss) and a recomputed layer {w['recompute_transient']:.2f}; load peak = loaded "
         f"weights {w['load_resident']:.2f} + full-precision shard in flight "
         f"{w['load_shard_in_flight']:.2f} (total: the larger of training and load, + reserve)",
-        f"fits: {'yes' if p['fits'] else 'NO'} ({p['memory_gib']['total']:.1f} of "
-        f"{p['gpu_mem_gib']:.1f} GiB); fewest GPUs that fit: {p['gpus_needed']}",
+        f"the config's layout (above) fits: {'yes' if p['fits'] else 'NO'} ({p['memory_gib']['total']:.1f} of "
+        f"{p['gpu_mem_gib']:.1f} GiB, {p['spare_gib']:.1f} spare, {p['headroom_gib']:.1f} kept as "
+        f"headroom: plan.headroom of the estimated activations); fewest GPUs that fit: "
+        f"{p['gpus_needed']}",
         f"speed: {p['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, {p['model_tflops_per_gpu']:.0f} model "
         f"TFLOP/s/GPU, MFU {100 * p['mfu']:.1f}% ({p['mfu_basis']}); step {p['step_time_s']:.2f} s = "
         + ", ".join(f"{k} {v:.3f}" for k, v in p["step_time_parts_s"].items() if v),
@@ -58,14 +60,18 @@ def table(p: dict, ranked: list[dict] | None = None) -> str:
                 f"{e['planned_params']:,d} planned; {where}{' ...' if len(off) > 3 else ''}"
             )
     if ranked is not None:
-        lines += ["", "distinct layouts that fit, fastest first, each with the overrides that select it "
-                  "(variants: settings of the same tp/pp/cp within 2% of its speed, shown once):"]  # fmt: skip
-        lines.append("    tp  pp  vp  cp  dp  sp mbs recompute    GiB  tokens/s/GPU   MFU variants")
+        lines += ["", f"search: the layouts on {p['num_gpus']} GPUs that fit (the headroom kept), "
+                  "fastest first, each with the overrides that select it (variants: settings of "
+                  "the same tp/pp/cp within 2% of its speed, shown once):"]  # fmt: skip
+        lines.append(
+            "    tp  pp  vp  cp  dp  sp mbs recompute    GiB  spare  tokens/s/GPU   MFU variants"
+        )
         for r in ranked:
             lines.append(
                 f"  {r['tp']:>4}{r['pp']:>4}{r['vp']:>4}{r['cp']:>4}{r['dp']:>4}"
                 f"{'yes' if r['sp'] else 'no':>4}{r['micro_batch_size']:>4} "
-                f"{r['recompute']:<10}{r['memory_gib']:>6.1f}{r['tokens_per_s_per_gpu']:>14.0f}"
+                f"{r['recompute']:<10}{r['memory_gib']:>6.1f}{r['spare_gib']:>7.1f}"
+                f"{r['tokens_per_s_per_gpu']:>14.0f}"
                 f"{100 * r['mfu']:>6.1f}{r['variants']:>9}"
             )
             lines.append(f"      {r['overrides']}")

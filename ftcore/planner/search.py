@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
 from ftcore.planner import cp as cp_rules
+from ftcore.planner import memory
 from ftcore.planner.layers import split_layers
 from ftcore.planner.memory import GiB, all_stages
 from ftcore.planner.throughput import throughput
@@ -96,8 +97,9 @@ def layouts(cfg: DictConfig, world: int, *, vary_recompute: bool = True):
 
 
 def fits(cfg: DictConfig, world: int) -> tuple[bool, float]:
+    """(fits with plan.headroom kept free, the worst stage's GiB)."""
     worst = max(all_stages(cfg, world), key=lambda s: s.total)
-    return worst.total <= cfg.cluster.gpu_mem_gib * GiB, worst.total / GiB
+    return memory.fits(cfg, worst, cfg.cluster.gpu_mem_gib * GiB), worst.total / GiB
 
 
 def overrides(row: dict) -> str:
@@ -131,6 +133,7 @@ def search(cfg: DictConfig, world: int, top: int = 10) -> list[dict]:
                 dp=world // (lay["tp"] * lay["pp"] * lay["cp"]),
                 sp=bool(c.parallel.sp),
                 memory_gib=total,
+                spare_gib=c.cluster.gpu_mem_gib - total,
                 tokens_per_s_per_gpu=speed["tokens_per_s_per_gpu"],
                 mfu=speed["mfu"],
             )

@@ -1,8 +1,8 @@
 """Distributed start and stop: one process, torchrun, srun, or N local workers started here.
 
 - under torchrun (RANK/WORLD_SIZE set) or srun (SLURM_PROCID with MASTER_ADDR set): join;
-- alone with `launcher.nproc_per_node > 1`: start that many workers through torch's elastic launch
-  API (the same machinery torchrun uses) and wait for them; the first failure stops all;
+- alone with `launcher.nproc_per_node > 1`: start that many workers (runtime/local_launch.py) and
+  wait for them; a stop signal is forwarded, the first failure stops all;
 - alone with one worker: a one-process group on a store bound to a port the kernel picks.
 Then megatron's parallel state (tp, pp, vp, cp; dp is whatever is left).
 """
@@ -15,7 +15,6 @@ import os
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,24 +93,10 @@ def launch_standalone(
 
 
 def launch_local_workers(module: str, argv: list[str], nproc: int, cfg=None) -> int:
-    """Start `python -m module argv` as `nproc` ranks via torch's elastic launch; return the exit status.
+    """Start `python -m module argv` as `nproc` local ranks (runtime/local_launch.py); return the
+    exit status: a worker's own 2 (user error) or 3 (saved, requeue) becomes ours."""
+    from ftcore.runtime import local_launch
 
-    A worker's own exit status (2 user error, 3 requeue) becomes ours; the first failure stops all.
-    """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # as torchrun --standalone: the store binds, then tells its port
-        rdzv_configs={"is_host": True},
-        max_restarts=0,
-        monitor_interval=0.2,
-    )
     os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads(nproc)))
     if cfg is not None and cfg.cluster.device != "cpu":
         from ftcore.runtime import gpu_env
@@ -119,31 +104,15 @@ def launch_local_workers(module: str, argv: list[str], nproc: int, cfg=None) -> 
         gpu_env.apply(os.environ, cfg)  # per GPU generation and overlap setting
     with tempfile.TemporaryDirectory(prefix="ftcore-errors-") as errors:
         # Workers leave their user error here instead of printing it (ftcore.cli), so that it is
-        # shown once, after torch elastic's own failure report, as the last line on screen.
+        # shown once, as the last line on screen.
         os.environ[ERROR_DIR_ENV] = errors
         try:
-            elastic_launch(config, entrypoint=sys.executable)("-u", "-m", module, *argv)
-            return 0
-        except ChildFailedError as e:
-            codes = [f.exitcode for f in e.failures.values()]
-            for wanted in (2, 3):  # a user error or a requeue request is what the user must see
-                if wanted in codes:
-                    if wanted == 2:
-                        _print_first_error(Path(errors))
-                    return wanted
-            return next((c for c in codes if c not in (0, None)), 1) if codes else 1
+            return local_launch.run(module, argv, nproc, Path(errors))
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)
 
 
 ERROR_DIR_ENV = "FTCORE_WORKER_ERROR_DIR"
-
-
-def _print_first_error(errors: Path) -> None:
-    """The lowest rank's error line (every rank usually finds the same one)."""
-    files = sorted(errors.glob("rank*"), key=lambda f: int(f.name[4:]))
-    if files:
-        print(files[0].read_text().strip(), file=sys.stderr, flush=True)
 
 
 def init_distributed(cfg: DictConfig) -> DistInfo:

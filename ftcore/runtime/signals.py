@@ -1,13 +1,15 @@
-"""Stop requests: SIGTERM/SIGUSR1, a stop file written by a launcher, or run.max_time.
+"""Stop requests: SIGTERM/SIGUSR1/SIGINT, a stop file written by a launcher, or run.max_time.
 
-Handlers only set a flag; the ranks agree at each step boundary through one all-reduce, so every
+Handlers only set a flag (a second Ctrl-C aborts without saving: KeyboardInterrupt, exit 130); the ranks agree at each step boundary through one all-reduce, so every
 rank saves the same step and exits 3 together. torchrun kills workers 30 s after forwarding a signal,
-too short for a big checkpoint, so SLURM scripts use the stop file (see docs/slurm.md).
+too short for a big checkpoint, so SLURM scripts use the stop file (see docs/slurm.md); ftcore's
+own local launcher (runtime/local_launch.py) waits for the save.
 """
 
 from __future__ import annotations
 
 import logging
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -21,13 +23,16 @@ log = logging.getLogger("ftcore")
 
 _received: list[str] = []
 _previous: dict[int, object] = {}
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def _handler(signum, frame):
     name = signal.Signals(signum).name
+    if signum == signal.SIGINT and name in _received:
+        raise KeyboardInterrupt  # the second Ctrl-C: abort now, without saving
     if not _received:
-        log.warning("received %s: will save and stop at the end of this step", name)
+        again = " (Ctrl-C again aborts without saving)" if signum == signal.SIGINT else ""
+        log.warning("received %s: will save and stop at the end of this step%s", name, again)
     _received.append(name)
 
 
@@ -77,3 +82,10 @@ def consume(cfg, run_dir: Path, rank: int) -> None:
     if rank == 0 and path.exists():
         path.unlink(missing_ok=True)
         log.info("removed the stop file %s", path)
+
+
+def resume_command(cfg, module: str = "ftcore.train") -> str:
+    """The command that continues this run where it stopped: the user's overrides (run.overrides,
+    as given) with this run's directory, whatever launched it (torchrun, srun, ftcore's workers)."""
+    kept = [o for o in cfg.run.overrides if not o.lstrip("+~").startswith("run.dir=")]
+    return shlex.join(["python", "-m", module, *kept, f"run.dir={cfg.run.dir}"])

@@ -53,6 +53,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     keep out of the training runs' folder (rdist.decide_run_dir) and write no config.yaml."""
     from ftcore.checkpoint import store
     from ftcore.config.presets import adapt
+    from ftcore.data import formats
     from ftcore.data.pipeline import build_train_loader, build_val_batches, set_steps_from_epochs
     from ftcore.data.tokenizer import load_tokenizer
     from ftcore.models.builder import build_model, wrap_ddp
@@ -67,6 +68,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
 
         cfg = merge_hf_config(cfg)
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # before the process group
+    formats.resolve(cfg, say=rank == "0")  # data.format=auto: what the records show
     adapt(cfg, training=training, say=rank == "0")
     # 2. Validate in the pinned order before anything heavy exists.
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -84,7 +86,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     torch.manual_seed(cfg.run.seed)
     with cpu.device_mode():
         model_parallel_cuda_manual_seed(cfg.run.seed)
-    # 5. One run directory for all ranks (created at step 11, once setup has succeeded).
+    # 5. One run directory for all ranks (created at step 12, once setup has succeeded).
     cfg.run.dir = rdist.broadcast_object(rdist.decide_run_dir(cfg, kind))
     run_dir = Path(cfg.run.dir)
     state = TrainState(cfg=cfg, info=info, run_dir=run_dir, dp=dp)
@@ -117,7 +119,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     dp_rank = ps.get_data_parallel_rank()
     if data:
         state.loader = build_train_loader(cfg, state.tokenizer, dp_rank, dp)
-        set_steps_from_epochs(cfg, state.loader.report["rows"])
+        set_steps_from_epochs(cfg, state.loader.report["rows"], state.loader)
         if cfg.eval.interval > 0:
             state.val_batches = build_val_batches(cfg, state.tokenizer, dp_rank, dp)
     # 10. megatron DDP, optimizer over trainable params, LR schedule.
@@ -125,15 +127,16 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     state.optimizer = build_optimizer(cfg, state.model)
     state.scheduler = build_scheduler(cfg, state.optimizer)
     _wire_model_config(state)
-    # 11. The run directory and its config.yaml, only now: a run that fails above writes nothing.
+    # 11. Resume (model, optimizer, schedule, data position, RNG) from checkpoints/latest: its
+    #     refusals (another model, PEFT mode, data position) come before anything is written.
+    #     (Stop-request handlers are installed by fit(), for exactly as long as it checks them.)
+    store.maybe_resume(state)
+    # 12. The run directory and its config.yaml, only now: a run that fails above writes nothing.
     #     generate writes nothing at all (its output is the text); eval its eval.json later.
     if info.rank == 0 and kind == "train":
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         log.info("run directory: %s", run_dir)
-    # 12. Resume (model, optimizer, schedule, data position, RNG) from checkpoints/latest.
-    #     (Stop-request handlers are installed by fit(), for exactly as long as it checks them.)
-    store.maybe_resume(state)
     return state
 
 
@@ -257,9 +260,7 @@ def fit(state: TrainState) -> None:
             t0 = time.perf_counter()
             collector.step(state.step)
             if cfg.eval.interval and state.step % cfg.eval.interval == 0 and state.val_batches:
-                val = evaluate(state, state.val_batches[: cfg.eval.iters]).loss
-                writer.write({"step": state.step, "eval_loss": val})
-                state.extra.setdefault("eval_losses", []).append((state.step, val))
+                _evaluate(state, writer)
             store.poll(state)  # publish a finished background save (GPU)
             if cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0:
                 store.save(state)
@@ -267,15 +268,27 @@ def fit(state: TrainState) -> None:
             if reason and state.step < cfg.train.max_steps:
                 store.save(state, blocking=True)  # a no-op if this step's is already published
                 signals.consume(cfg, state.run_dir, state.info.rank)
-                raise StopRequested(state.step, reason)
+                raise StopRequested(state.step, reason, signals.resume_command(cfg))
             for hook in state.after_step:  # the benchmark's turn-taking (ftcore.bench.turns)
                 hook(state)
             timer.exclude(time.perf_counter() - t0)
+        evaluated = [s for s, _ in state.extra.get("eval_losses", [])]
+        if (
+            state.val_batches and state.step not in evaluated
+        ):  # a run shorter than eval.interval too
+            _evaluate(state, writer)
         finish(state)
     finally:
         collector.__exit__()
         writer.close()
         signals.uninstall()
+
+
+def _evaluate(state: TrainState, writer) -> None:
+    """The validation loss now: a metrics.jsonl line, and the end summary's."""
+    val = evaluate(state, state.val_batches[: state.cfg.eval.iters]).loss
+    writer.write({"step": state.step, "eval_loss": val})
+    state.extra.setdefault("eval_losses", []).append((state.step, val))
 
 
 def finish(state: TrainState) -> None:

@@ -21,7 +21,7 @@ CHOICES = {
     "model.init_method": ("auto", "layout_independent", "sharded"),
     "model.family": tuple(FAMILIES),
     "peft.name": ("none", "lora", "qlora"),
-    "data.format": ("instruction", "chat", "text"),
+    "data.format": ("auto", "instruction", "chat", "prompt_completion", "text"),
     "data.truncate": ("right", "drop"),
     "data.on_bad_record": ("error", "skip"),
     "logger.wandb.mode": ("disabled", "offline", "online"),
@@ -48,23 +48,48 @@ def check_choices(cfg: DictConfig) -> None:
         for part in key.split("."):
             value = value[part]
         if value not in allowed:
-            raise FtcoreError(f"{value!r} is not one of {', '.join(allowed)}", field=key)
+            raise FtcoreError(f"{value!r} is not one of {', '.join(allowed)}", field=key,
+                              fix=f"{key}={allowed[0]} (or {', '.join(allowed[1:])})")  # fmt: skip
 
 
-def check_divisibility(cfg: DictConfig) -> None:
+def tp_choices(cfg: DictConfig, world: int | None = None) -> str:
+    """Every constraint on tp at once, and the values that meet them all, so that following one
+    error's fix does not walk into the next: tp divides the heads, the KV heads and the MLP width,
+    and tp*pp*cp divides the world (when known)."""
+    m, p = cfg.model, cfg.parallel
+    ok = [
+        tp
+        for tp in range(1, m.num_attention_heads + 1)
+        if not (m.num_attention_heads % tp or m.num_query_groups % tp or m.ffn_hidden_size % tp)
+        and (world is None or world % (tp * p.pp * p.cp) == 0)
+    ]
+    rules = (f"tp divides num_attention_heads={m.num_attention_heads}, num_query_groups="
+             f"{m.num_query_groups} and ffn_hidden_size={m.ffn_hidden_size}")  # fmt: skip
+    if world is not None:
+        rules += f", and tp*pp*cp (pp={p.pp}, cp={p.cp}) divides the world size {world}"
+    pick = (
+        f"parallel.tp={' or '.join(map(str, ok))}"
+        if ok
+        else "no tp does: change pp/cp or the world size"
+    )
+    return f"{pick} ({rules})"
+
+
+def check_divisibility(cfg: DictConfig, world: int | None = None) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     for name in ("tp", "pp", "vp", "cp"):
         if p[name] < 1:
-            raise FtcoreError(f"must be >= 1, got {p[name]}", field=f"parallel.{name}")
+            raise FtcoreError(f"must be >= 1, got {p[name]}", field=f"parallel.{name}",
+                              fix=f"parallel.{name}=1 (or more)")  # fmt: skip
     if m.num_attention_heads % p.tp:
         raise FtcoreError(
             f"tp={p.tp} does not divide num_attention_heads={m.num_attention_heads}",
-            field="parallel.tp", fix="choose a tp that divides model.num_attention_heads",
+            field="parallel.tp", fix=tp_choices(cfg, world),
         )  # fmt: skip
     if m.num_query_groups % p.tp:
         raise FtcoreError(
             f"tp={p.tp} does not divide num_query_groups (kv heads)={m.num_query_groups}",
-            field="parallel.tp", fix="choose a tp that divides model.num_query_groups",
+            field="parallel.tp", fix=tp_choices(cfg, world),
         )  # fmt: skip
     if m.get("kv_channels") is None and m.hidden_size % m.num_attention_heads:
         raise FtcoreError(
@@ -75,10 +100,13 @@ def check_divisibility(cfg: DictConfig) -> None:
         raise FtcoreError(
             f"num_query_groups={m.num_query_groups} does not divide num_attention_heads",
             field="model.num_query_groups",
+            fix="the model's own num_key_value_heads (model.hf_path reads it from config.json)",
         )
     if m.ffn_hidden_size % p.tp:
         raise FtcoreError(
-            f"tp={p.tp} does not divide ffn_hidden_size={m.ffn_hidden_size}", field="parallel.tp"
+            f"tp={p.tp} does not divide ffn_hidden_size={m.ffn_hidden_size}",
+            field="parallel.tp",
+            fix=tp_choices(cfg, world),
         )
     if p.sp and p.tp == 1:
         raise FtcoreError(
@@ -201,7 +229,8 @@ def check_world(cfg: DictConfig, world: int) -> int:
         raise FtcoreError(
             f"world size {world} is not divisible by tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {p.tp * p.pp * p.cp}",
             field="parallel.tp/parallel.pp/parallel.cp",
-            fix="launch a multiple of tp*pp*cp processes (launcher.nproc_per_node or cluster.num_gpus)",
+            fix="launch a multiple of tp*pp*cp processes (launcher.nproc_per_node or cluster.num_gpus), "
+            f"or {tp_choices(cfg, world)}",
         )
     dp = data_parallel_size(cfg, world)
     if t.global_batch_size % (t.micro_batch_size * dp):
@@ -216,6 +245,8 @@ def check_world(cfg: DictConfig, world: int) -> int:
         raise FtcoreError(
             f"the interleaved schedule needs micro-batches per step ({num_micro}) divisible by pp={p.pp}",
             field="train.global_batch_size",
+            fix=f"a global batch of a multiple of micro_batch_size * dp * pp = "
+            f"{t.micro_batch_size * dp * p.pp}, or parallel.vp=1",
         )
     return dp
 
@@ -266,7 +297,7 @@ def check_layout(
     from ftcore.precision import hardware
     from ftcore.validation import preflight
 
-    check_divisibility(cfg)
+    check_divisibility(cfg, world_size_of(cfg, launched))
     from ftcore.models import speed
 
     speed.check(cfg)  # overlap, recompute, fusions, CUDA graphs: ftcore's rules, then megatron's

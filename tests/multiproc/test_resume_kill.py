@@ -1,7 +1,8 @@
 """Exact resume with real processes: SIGKILL both ranks after the step-6 checkpoint is published
 (TP=2: frozen at that moment, what it leaves compared with what the next start loads), then in the
-middle of the step-9 save; stop requests (a signal to one rank, the stop file); each restart
-continues as if nothing happened.
+middle of the step-9 save; stop requests (a signal to one rank, Ctrl-C to the launcher); each restart
+continues as if nothing happened; Ctrl-C to ftcore's local launcher, then the resume command it
+printed.
 
 The tiny model on the bundled data, 2 ranks (TP=2, and separately PP=2), fp32 on CPU: every step
 of metrics.jsonl (loss, lr, grad_norm, tokens) and the exported final weights equal the
@@ -10,13 +11,23 @@ uninterrupted run's to the last bit."""
 from __future__ import annotations
 
 import re
+import shlex
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.ckpt_cases import Workers, last_step, latest, same_final_weights, same_metrics
+from tests.support.ckpt_cases import (
+    ROOT,
+    Workers,
+    last_step,
+    latest,
+    same_final_weights,
+    same_metrics,
+)
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -67,7 +78,7 @@ def test_kills_then_stop_requests_tp2(reference_tp2, tmp_path):
     let go and SIGKILLed in the middle of the step-9 save; 2. the next start ignores the
     incomplete save, resumes from step_6, exactly the files that were there at its publication,
     and is stopped by SIGUSR1 to rank 1 only (as a scheduler's signal to one task); 3. the stop
-    file, through ftcore's own launcher; 4. the last start completes. Each stop request gives
+    Ctrl-C to ftcore's own launcher; 4. the command it printed completes the run. Each stop request gives
     exit 3 and a checkpoint of the step it was asked in (or the next, if the request came after
     that step's check), whatever the interval (0 from start 2 on); the metrics, every step once,
     and the final weights equal the uninterrupted run's. (A start killed right after a publish
@@ -100,19 +111,24 @@ def test_kills_then_stop_requests_tp2(reference_tp2, tmp_path):
     assert stopped in (asked, asked + 1) and latest(run_dir) == f"step_{stopped}"
     assert last_step(run_dir) == stopped
     assert not tmp9.exists()  # removed by the next successful save
-    # 3. The stop file, through ftcore's own launcher.
+    # 3. Ctrl-C to ftcore's own launcher (the parent of 2 workers), as a terminal sends it.
     w = Workers(run_dir, stop_over, tmp_path / "log3.txt", launcher=True)
     w.until(lambda: last_step(run_dir) >= stopped + 2, poll=0.01)
     asked, t0 = last_step(run_dir), time.time()
-    (run_dir / "STOP").write_text("")
+    w.signal(signal.SIGINT, ranks=[0])
     assert w.wait() == [3], w.text()[-3000:]
     stopped = last_step(run_dir)
-    print(f"stop file at step {asked}: exit 3 at step {stopped} after {time.time() - t0:.1f} s")
+    print(f"Ctrl-C at step {asked}: exit 3 at step {stopped} after {time.time() - t0:.1f} s")
     assert stopped in (asked, asked + 1) and latest(run_dir) == f"step_{stopped}"
-    assert not (run_dir / "STOP").exists()
-    # 4. The last start completes the run.
-    w = Workers(run_dir, stop_over, tmp_path / "log4.txt")
-    assert w.wait() == [0, 0], w.text()[-3000:]
+    log = w.text()
+    assert "Traceback" not in log and "SignalException" not in log, log[-3000:]
+    # 4. The command the stop printed (the launcher again) completes the run.
+    (line,) = [ln for ln in log.splitlines() if "resume with: " in ln]
+    cmd = shlex.split(line.split("resume with: ", 1)[1])
+    assert cmd[:3] == ["python", "-m", "ftcore.train"] and f"run.dir={run_dir}" in cmd, cmd
+    done = subprocess.run([sys.executable, *cmd[1:]], cwd=ROOT, env=w.env, capture_output=True,
+                          text=True, timeout=400)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
     same_metrics(run_dir, reference_tp2)
     same_final_weights(run_dir, reference_tp2)
 

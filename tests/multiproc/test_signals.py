@@ -2,21 +2,35 @@
 step at the next step boundary and raises StopRequested (exit 3); handlers exist only while
 fit() runs, and not at all with run.handle_signals=false.
 
-The gloo pool for the cases; the same with real processes (a signal to one trainer rank, the stop
-file through ftcore's own launcher) is in test_resume_kill.py, next to its reference run."""
+The gloo pool for the cases; the same with real processes (a signal to one trainer rank, Ctrl-C to
+ftcore's own launcher) is in test_resume_kill.py, next to its reference run; Ctrl-C to one process
+and the resume command it prints, below."""
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from ftcore.errors import StopRequested
 from ftcore.training import trainer
-from tests.support.ckpt_cases import ROOT, build_resumed, latest, metric_lines
+from tests.support.ckpt_cases import (
+    ROOT,
+    build_resumed,
+    last_step,
+    latest,
+    metric_lines,
+    same_metrics,
+)
+from tests.support.cli import LAUNCHER_ENV
 
 
 def fit_until_stop(overrides: list[str], run_dir: str, signal_rank1_at: int = 0) -> dict:
@@ -99,3 +113,87 @@ def test_handlers_only_when_enabled_and_released(enabled):
     else:
         assert out.stdout == ""
     assert "still alive" not in out.stdout
+
+
+# One process, as a user runs it: Ctrl-C mid-run saves, exits 3 and prints the command that
+# resumes; that command ends with the uninterrupted run's metrics and adapter, to the last bit.
+_CTRL_C = [
+    "+exp=tiny_lora",
+    "train.max_steps=5",
+    "eval.accuracy=false",
+    "checkpoint.interval=0",
+    "data.seq_len=64",
+]  # fmt: skip (eval.interval=50: longer than the run)
+
+
+def _train(*argv: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env["FTCORE_LOG_LEVEL"] = "INFO"  # start_new_session: a terminal's Ctrl-C reaches the group
+    return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_lora_run(tmp_path_factory) -> Path:
+    """The uninterrupted run (checkpoint and adapter at its end), shared by the tests below."""
+    ref = tmp_path_factory.mktemp("tiny_lora") / "ref"
+    proc = _train("-m", "ftcore.train", *_CTRL_C, f"run.dir={ref}")
+    out = proc.communicate(timeout=400)[0]
+    assert proc.returncode == 0, out[-3000:]
+    # a run shorter than eval.interval still evaluates its held-out data, at its end
+    evals = [json.loads(ln) for ln in (ref / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if "eval_loss" in r] == [5]
+    assert "validation loss: final" in out, out[-3000:]
+    return ref
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_and_the_printed_command_resumes(tiny_lora_run, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _train("-m", "ftcore.train", *_CTRL_C, f"run.dir={run_dir}")
+    end = time.time() + 300
+    while last_step(run_dir) < 2:
+        assert proc.poll() is None and time.time() < end, proc.stdout.read()[-3000:]
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 3, out[-3000:]
+    stopped = last_step(run_dir)
+    assert stopped < 5 and latest(run_dir) == f"step_{stopped}", out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    (line,) = [ln for ln in out.splitlines() if "resume with: " in ln]
+    cmd = shlex.split(line.split("resume with: ", 1)[1])
+    assert cmd[:3] == ["python", "-m", "ftcore.train"] and cmd[-1] == f"run.dir={run_dir}", cmd
+    resumed = _train(*cmd[1:])
+    out = resumed.communicate(timeout=400)[0]
+    assert resumed.returncode == 0, out[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped}'}" in out, out[-3000:]
+    assert "Warning" not in out, out[-3000:]  # torch's/megatron's deprecations on load: quiet
+    same_metrics(run_dir, tiny_lora_run)
+    adapter = "hf_adapter/adapter_model.safetensors"
+    assert (run_dir / adapter).read_bytes() == (tiny_lora_run / adapter).read_bytes()
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(d)): f.read_bytes() for f in sorted(d.rglob("*")) if f.is_file()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (["model.num_layers=3"], "saved for another model"),  # the checkpoint's own check
+        (["peft=none"], "is an adapter-only (PEFT) checkpoint"),  # PEFT mode
+        (["peft.r=8"], "adapters of another shape (peft.r: 16 -> 8)"),  # loaded a slice before
+    ],
+)
+def test_a_refused_resume_writes_nothing(tiny_lora_run, tmp_path, change, says):
+    """Exit 2 and the run directory as it was, byte for byte (config.yaml keeps matching the
+    checkpoints it sits beside)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_lora_run, run_dir)
+    before = _tree(run_dir)
+    proc = _train("-m", "ftcore.train", *_CTRL_C, *change, f"run.dir={run_dir}")
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 2 and says in out, out[-3000:]
+    assert _tree(run_dir) == before

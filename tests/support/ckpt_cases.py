@@ -86,6 +86,7 @@ class Workers:
         base = dict(os.environ, FTCORE_LOG_LEVEL="INFO", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         for k in LAUNCHER_ENV:
             base.pop(k, None)
+        self.env = base  # what a user's shell would hand the next start
         self.log = open(log, "a")  # noqa: SIM115 - closed in wait()
         self.t0 = time.time()
         if launcher:

@@ -84,5 +84,9 @@ def test_another_model_or_peft_mode_is_refused(tmp_path):
     state = NS(cfg=compose(TINY + ["peft=lora"]), info=NS(rank=0))
     with pytest.raises(FtcoreError, match="a full checkpoint but this run has peft.name=lora"):
         resume.check_compatible(state, common, tmp_path)
+    lora = {"config": OmegaConf.to_yaml(compose(TINY + ["peft=lora"])), "adapter_only": True}
+    state = NS(cfg=compose(TINY + ["peft=lora", "peft.r=4"]), info=NS(rank=0))
+    with pytest.raises(FtcoreError, match=r"adapters of another shape \(peft.r: 16 -> 4\)"):
+        resume.check_compatible(state, lora, tmp_path)
     state = NS(cfg=compose(TINY + ["optim.lr=1e-4", "parallel.tp=2"]), info=NS(rank=0))
     resume.check_compatible(state, common, tmp_path)  # a changed lr or layout is fine

@@ -65,8 +65,9 @@ def own_jsonl(path: Path, n: int) -> Path:
 
 
 def test_epochs_set_the_step_count_and_many_repeats_are_warned(tmp_path):
-    """train.epochs=E on 10 rows with global batch 4: ceil(E * 10 / 4) steps; above 3 passes over
-    the data, a warning says so."""
+    """train.epochs=E on 10 rows with global batch 4: ceil(E * 10 / 4) steps, the last one taking
+    only the rows left (so 3.5 passes, not the 3.6 that 9 full steps would make); above 3 passes
+    over the data, a warning says so."""
     import math
     import re
 
@@ -79,7 +80,8 @@ def test_epochs_set_the_step_count_and_many_repeats_are_warned(tmp_path):
     assert rows == 10, p.stderr[-3000:]
     steps = math.ceil(3.5 * rows / 4)
     assert f"training {steps} steps" in p.stderr, p.stderr[-3000:]
-    assert "repeats its training data 3.6 times" in p.stderr, p.stderr[-3000:]
+    assert "the last step takes the 3 rows left" in p.stderr, p.stderr[-3000:]
+    assert "repeats its training data 3.5 times" in p.stderr, p.stderr[-3000:]
 
 
 def test_epochs_and_max_steps_together_are_refused(tmp_path):

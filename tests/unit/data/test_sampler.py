@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -197,3 +198,23 @@ def test_val_batches(tmp_path, cache, tok):
         == []
     )
     assert isinstance(val[0][0].tokens, torch.Tensor)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_epochs_are_exact_with_a_partial_last_step(packing):
+    """train.epochs=1 over 40 documents at a global batch of 16: 3 steps, each document once;
+    the last step's 8 missing rows are empty (all padding, no loss)."""
+    from ftcore.data.sampler import Sampler
+
+    lengths = np.full(40, 30)
+    s = Sampler([np.arange(40)], [40], lengths, 64, packing, seed=1)
+    end = s.end_of(1)
+    total = s.rows_before(end)
+    steps = -(-total // 16)
+    got = [s.take(16, end) for _ in range(steps)]
+    docs = sorted(d for rows in got for r in rows for d in r)
+    assert docs == list(range(40))
+    assert all(len(rows) == 16 for rows in got) and got[-1][-1] == []
+    s2 = Sampler([np.arange(40)], [40], lengths, 64, packing, seed=1)
+    end = s2.end_of(2.5)  # two passes and half the third's rows
+    assert s2.rows_before(end) == 2 * total + -(-total // 2)

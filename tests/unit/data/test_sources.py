@@ -98,6 +98,18 @@ def test_bad_record_names_file_and_line(tmp_path, tok, case):
     assert ld.report["bad_records"] == 1 and ld.report["samples"] == 3
 
 
+def test_skip_offered_only_where_it_would_keep_records(tmp_path, tok):
+    """A chat file read as instruction data: every record is bad, and skipping them would train
+    on nothing, so the fix points at the format instead."""
+    f = tmp_path / "chat.jsonl"
+    f.write_bytes(lines(GOOD_C, GOOD_C, GOOD_C))
+    with pytest.raises(FtcoreError) as e:
+        build_train_loader(cfg_for(tmp_path, f, "data.format=instruction"), tok, 0, 1)
+    msg = str(e.value)
+    assert 'missing field "instruction"' in msg and "data.on_bad_record=skip" not in msg
+    assert "check data.format" in msg
+
+
 def test_empty_file_and_empty_directory(tmp_path, tok):
     f = tmp_path / "empty.jsonl"
     f.write_text("\n \n")

@@ -204,6 +204,11 @@ def test_generate_prompt_is_the_training_prefix(setups):
             user, chat_template=r.template, tokenize=True, add_generation_prompt=True
         )
         assert ids == _ids(want), label
+        system = [{"role": "system", "content": "Be brief."}]  # generate.system
+        want = tok.apply_chat_template(
+            system + user, chat_template=r.template, tokenize=True, add_generation_prompt=True
+        )
+        assert prompt_ids(state, "What is 2 + 3?", "Be brief.") == _ids(want), label
 
 
 def test_boundary_token_across_header_and_answer(setups):

@@ -80,6 +80,10 @@ def render(
     assert (r.returncode == 0) == ok, (
         f"{script.name} dry run: status {r.returncode}:\n{r.stdout}\n{r.stderr}"
     )
+    # quiet without FTCORE_VERBOSE: no library warnings, no scontrol complaints (SLURM_JOB_ID is
+    # set, as in an allocation; scontrol may be missing or unconfigured where the dry run runs)
+    noise = [ln for ln in r.stderr.splitlines() if "Warning" in ln or "scontrol" in ln]
+    assert not noise, r.stderr
     srun_line = next(ln for ln in r.stdout.splitlines() if ln.startswith("srun command:"))
     layout = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     return srun_line, json.loads(layout[-1]) if layout else {}

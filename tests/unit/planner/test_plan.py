@@ -284,3 +284,24 @@ def test_last_layer_attention_picks_only_where_the_runtime_does():
     assert few.mlp_picks and few.attn_picks
     mlp_only = act.last_layer_saving(act.Shape(**{**vars(few), "attn_picks": False}))
     assert act.last_layer_saving(few) > mlp_only > 0
+
+
+def test_headroom_is_kept_free_and_each_row_shows_its_spare():
+    """plan.headroom (default 0.10: the planner's measured activation error) of the activations is
+    kept free: a GPU just bigger than the predicted total does not fit; headroom 0 does."""
+    from ftcore.config.schema import compose as _compose
+    from ftcore.planner import plan as _plan
+    from ftcore.planner.report import table
+
+    base = ["+exp=tiny_lora", "cluster.num_gpus=1"]
+    p = _plan(_compose(base))
+    assert p["headroom_gib"] == pytest.approx(0.10 * p["memory_gib"]["activations"])
+    snug = p["memory_gib"]["total"] + 0.5 * p["headroom_gib"]
+    tight = _plan(_compose(base + [f"cluster.gpu_mem_gib={snug}"]))
+    assert not tight["fits"] and tight["spare_gib"] == pytest.approx(0.5 * p["headroom_gib"])
+    assert _plan(_compose(base + [f"cluster.gpu_mem_gib={snug}", "plan.headroom=0"]))["fits"]
+    text = table(p, [dict(tp=1, pp=1, vp=1, cp=1, dp=1, sp=False, micro_batch_size=4,
+                          recompute="none", memory_gib=1.0, spare_gib=23.0,
+                          tokens_per_s_per_gpu=1.0, mfu=0.1, variants=1, overrides="x")])  # fmt: skip
+    assert "the config's layout (above) fits: yes" in text and "spare" in text
+    assert "search: the layouts on 1 GPUs that fit" in text and "  23.0" in text

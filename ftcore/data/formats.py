@@ -1,0 +1,88 @@
+"""`data.format=auto` (the default): the shape of the records decides how they are rendered.
+
+The first record of each training source is read (nothing is tokenized) and its keys choose:
+`messages` -> chat, `prompt` + `completion` -> prompt_completion (TRL's prompt-completion
+format), `instruction` + `output` -> instruction, `text` -> text. A file whose first record has
+none of these is refused with the accepted shapes listed. An explicit `data.format` (or a mix
+entry's own `format`) is used as given; a later record of another shape is a bad record
+(`data.on_bad_record`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ftcore.errors import FtcoreError
+
+log = logging.getLogger("ftcore")
+
+# (format, the keys that make it, how the shape is written for a user)
+SHAPES = (
+    ("chat", ("messages",), '{"messages": [{"role": ..., "content": ...}, ...]}'),
+    ("prompt_completion", ("prompt", "completion"), '{"prompt": ..., "completion": ...}'),
+    ("instruction", ("instruction", "output"), '{"instruction": ..., "output": ...}'),
+    ("text", ("text",), '{"text": ...}'),
+)
+ACCEPTED = "; ".join(f"{fmt} {shape}" for fmt, _, shape in SHAPES)
+
+
+def detect(rec) -> str | None:
+    """The format a record's keys name, or None."""
+    if not isinstance(rec, dict):
+        return None
+    for fmt, keys, _ in SHAPES:
+        if all(k in rec for k in keys):
+            return fmt
+    return None
+
+
+def detect_source(path: str, field: str = "data.path") -> str:
+    """The format of a source's first readable record; FtcoreError naming the shapes if it has
+    none of them."""
+    from ftcore.data import sources
+
+    for where, rec in sources.iter_records(sources.resolve(path, field)):
+        if isinstance(rec, Exception):
+            continue  # unreadable: the tokenizer's pass reports it under data.on_bad_record
+        fmt = detect(rec)
+        if fmt is None:
+            keys = ", ".join(sorted(rec)) if isinstance(rec, dict) else type(rec).__name__
+            raise FtcoreError(
+                f"{where}: the record ({keys}) has none of the shapes ftcore reads: {ACCEPTED}",
+                field=field,
+                fix="write the records in one of these shapes, or name the format with "
+                "data.format=instruction|chat|prompt_completion|text",
+            )
+        return fmt
+    return "instruction"  # nothing readable: the tokenizer's pass reports each record
+
+
+def resolve(cfg, say: bool = True) -> None:
+    """Replace `auto` in data.format (and in mix entries without their own format) by what the
+    records show, saying which it chose; explicit formats are kept."""
+    from ftcore.config.schema import assets_dir
+
+    d = cfg.data
+    if d.format != "auto":
+        return
+    chosen = []
+    if d.mix:
+        for i, m in enumerate(d.mix):
+            if m.get("format") in (None, "auto"):
+                m.format = detect_source(m.path, f"data.mix[{i}].path")
+                chosen.append(f"{m.path}: {m.format}")
+        d.format = d.mix[0].format
+    else:
+        path = d.path or str(assets_dir() / "data" / "train.jsonl")  # pipeline.bundled_data
+        d.format = detect_source(path)
+        chosen.append(f"{path}: {d.format}")
+    if d.val_path:  # validation records are rendered as the training ones are
+        fmt = detect_source(d.val_path, "data.val_path")
+        if fmt != d.format:
+            raise FtcoreError(
+                f"{d.val_path} holds {fmt} records but the training data is {d.format}",
+                field="data.val_path",
+                fix="validation data in the training data's shape",
+            )
+    if say:
+        log.info("data.format=auto: %s (from the first record)", "; ".join(chosen))
