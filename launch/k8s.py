@@ -54,14 +54,22 @@ def settings_problems(cfg) -> list[str]:
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             found.append(
-                str(FtcoreError(f"{value!r} is not one of {', '.join(allowed)}", field=key))
+                str(
+                    FtcoreError(
+                        f"{value!r} is not one of {', '.join(allowed)}",
+                        field=key,
+                        fix=f"{key}={allowed[0]} (or another of those)",
+                    )
+                )  # fmt: skip
             )
     for key in ("nodes", "procs_per_node", "fabric_devices"):
         if k[key] is not None and k[key] < 1:
-            found.append(str(FtcoreError(f"must be >= 1, got {k[key]}", field=f"k8s.{key}")))
+            found.append(str(FtcoreError(f"must be >= 1, got {k[key]}", field=f"k8s.{key}",
+                                         fix=f"k8s.{key}=1 or more, or leave it unset")))  # fmt: skip
     for key in ("max_restarts", "grace_seconds"):
         if k[key] < 0:
-            found.append(str(FtcoreError(f"must be >= 0, got {k[key]}", field=f"k8s.{key}")))
+            found.append(str(FtcoreError(f"must be >= 0, got {k[key]}", field=f"k8s.{key}",
+                                         fix=f"k8s.{key}=0 or more")))  # fmt: skip
     reserved = sorted(v for v in k.env if v.startswith("PET_"))
     if reserved:
         found.append(str(FtcoreError(f"{', '.join(reserved)} are Kubeflow's to set", field="k8s.env",
