@@ -1,0 +1,71 @@
+"""The parity matrix through the command line (tests/support/matrix.py, docs/parallelism.md):
+each pairwise run is `python -m ftcore.train` on 2-4 local processes, held to the one-process run
+of the same command without its layout, optimizer-sharding and recompute keys: losses and
+gradient norms to 1e-5 (fp32), the same tokens every step, and the exported weights (hf_model/ or
+hf_adapter/) to 3e-5 of each tensor's norm (Adam turns rounding in near-zero gradient elements
+into lr-sized moves, tests/multiproc/test_lora_parity.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.support import matrix
+from tests.support.cli import cli
+
+RTOL = 1e-5
+WEIGHT_RTOL = 3e-5
+RUNS = matrix.runs()
+
+
+def _train(args: list[str], run_dir: Path) -> dict:
+    proc = cli("train", *args, f"run.dir={run_dir}", timeout=420)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if "loss" in x]
+    out = next(p for p in (run_dir / "hf_model", run_dir / "hf_adapter") if p.is_dir())
+    weights = {}
+    for f in sorted(out.glob("*.safetensors")):
+        weights.update(load_file(f))
+    return {k: [x[k] for x in steps] for k in ("loss", "grad_norm", "tokens")} | {
+        "weights": weights
+    }
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """One one-process run per (method, rows), made when a run first needs it."""
+    cache: dict[tuple, dict] = {}
+
+    def get(key: tuple) -> dict:
+        if key not in cache:
+            d = tmp_path_factory.mktemp("ref-" + "-".join(key))
+            cache[key] = _train(matrix.reference_command(key), d)
+        return cache[key]
+
+    return get
+
+
+def _close(got, ref, what: str) -> None:
+    a, b = torch.tensor(got, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64)
+    rel = ((a - b).abs() / b.abs().clamp_min(1e-12)).max().item()
+    assert rel <= RTOL, f"{what}: max relative difference {rel:.2e} > {RTOL} ({got} vs {ref})"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("run", RUNS, ids=[matrix.name(r) for r in RUNS])
+def test_run_matches_its_one_process_reference(run, references, tmp_path):
+    ref = references(matrix.reference_key(run))
+    got = _train(matrix.command(run), tmp_path / "run")
+    assert len(got["loss"]) == len(ref["loss"]) == 3
+    assert got["tokens"] == ref["tokens"], "the layout changed the documents a step trains on"
+    _close(got["loss"], ref["loss"], "losses")
+    _close(got["grad_norm"], ref["grad_norm"], "grad norms")
+    assert got["weights"].keys() == ref["weights"].keys()
+    for k, w in ref["weights"].items():
+        diff = (got["weights"][k].double() - w.double()).norm().item()
+        assert diff <= WEIGHT_RTOL * w.double().norm().item(), f"{k}: |diff| {diff:.2e}"
