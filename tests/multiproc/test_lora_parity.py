@@ -108,6 +108,19 @@ def test_lora_with_overlapped_param_gather(pool2, pool4, references, tmp_path):
         _close_weights(merge_weights(results), ref["weights"], f"{name} overlap")
 
 
+@pytest.mark.dist
+def test_lora_with_full_recompute(pool1, references, tmp_path):
+    """Full recompute checkpoints each layer with megatron's reentrant function: with the frozen
+    embedding's output not requiring grad, the adapters got no gradient (found by the parity
+    matrix, tests/multiproc/test_parity_matrix.py)."""
+    ref = references["all7"]
+    over = LORA + TARGETS["all7"] + ["parallel.recompute=full"]
+    got = pool1.run(lora_run, over, str(tmp_path), STEPS)[0]
+    _close(got["loss"], ref["loss"], "full recompute losses")
+    _close(got["grad_norm"], ref["grad_norm"], "full recompute grad norms")
+    _close_weights(got["weights"], ref["weights"], "full recompute")
+
+
 def _save_and_reload(overrides: list[str], run_dir: str, save: bool) -> dict:
     from ftcore.checkpoint import store
     from ftcore.training import trainer
