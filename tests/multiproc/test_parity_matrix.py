@@ -2,8 +2,10 @@
 each pairwise run is `python -m ftcore.train` on 2-4 local processes, held to the one-process run
 of the same command without its layout, optimizer-sharding and recompute keys: losses and
 gradient norms to 1e-5 (fp32), the same tokens every step, and the exported weights (hf_model/ or
-hf_adapter/) to 3e-5 of each tensor's norm (Adam turns rounding in near-zero gradient elements
-into lr-sized moves, tests/multiproc/test_lora_parity.py)."""
+hf_adapter/) to 1e-4 of each tensor's norm: Adam divides each gradient element by its own running
+RMS, so fp32 rounding in elements near adam_eps becomes lr-sized moves of those elements (a
+freshly trained lora_B measured 3.6e-5 with losses equal to 1e-7); a layout bug moves whole
+tensors by O(1)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from tests.support import matrix
 from tests.support.cli import cli
 
 RTOL = 1e-5
-WEIGHT_RTOL = 3e-5
+WEIGHT_RTOL = 1e-4
 RUNS = matrix.runs()
 
 
