@@ -227,6 +227,10 @@ class DataConfig:
     format: str = "auto"
     seq_len: int = 256
     packing: bool = False
+    # packing places each document at its length rounded up to this (only to decide the rows; no
+    # token is padded at cp=1), so the rows are the same at every cp with 2*cp dividing it: 16 up
+    # to cp=8 (docs/context_parallel.md)
+    pack_multiple: int = 16
     # unpacked: cut each micro-batch to its longest row (same loss, less padding compute)
     trim_padding: bool = True
     truncate: str = "right"  # right | drop

@@ -102,6 +102,7 @@ RANGES: dict[str, Range] = {
     "precision.fp8_amax_history_len": AT_LEAST_1,
     "precision.fp8_margin": AT_LEAST_0,
     "data.seq_len": Range(2),
+    "data.pack_multiple": Range(1),
     "data.val_fraction": Range(0, 1, hi_open=True),
     "data.max_samples": AT_LEAST_1,
     "data.tokenize_workers": AT_LEAST_0,

@@ -79,11 +79,15 @@ def gathered_row_positions(mb: MicroBatch, cp: int) -> torch.Tensor:
     return torch.cat([row_positions(mb, cp, r) for r in range(cp)], dim=1)
 
 
-def shard(mb: MicroBatch, cp: int, rank: int) -> MicroBatch:
+def shard(mb: MicroBatch, cp: int, rank: int, pin: bool = False) -> MicroBatch:
     """This CP rank's part of a micro-batch ([b, s] -> [b, s // cp] for the sliced fields). The
-    documents' cu_seqlens stay those of the whole rows (what the attention's mask is built from)."""
+    documents' cu_seqlens stay those of the whole rows (what the attention's mask is built from).
+    `pin` (a CUDA run: training/step.py): the slices in pinned memory like the batch, so their
+    non-blocking copies to the device are asynchronous instead of staged through pageable memory."""
     if cp == 1:
         return mb
     index = row_positions(mb, cp, rank)
     sliced = {name: getattr(mb, name).gather(1, index) for name in _SLICED}
+    if pin:
+        sliced = {name: t.pin_memory() for name, t in sliced.items()}
     return dataclasses.replace(mb, **sliced)

@@ -178,10 +178,12 @@ def doc_multiple(cfg) -> int:
     return 2 * cp if cfg.data.packing and cp > 1 else 1
 
 
-def padded_lengths(cfg, lengths: np.ndarray) -> np.ndarray:
-    """Document lengths as packing places them (doc_multiple)."""
-    m = doc_multiple(cfg)
-    return -(-lengths // m) * m
+def packing_lengths(cfg, lengths: np.ndarray) -> np.ndarray:
+    """Document lengths as packing counts them: rounded up to data.pack_multiple (capped at
+    seq_len, which divides by 2*cp), whatever the layout. A row of them has room for every
+    document's CP padding at any cp with 2*cp dividing the multiple, so cp changes no row."""
+    m = int(cfg.data.get("pack_multiple", 1))
+    return np.minimum(-(-lengths // m) * m, cfg.data.seq_len)
 
 
 def row_width(rows: list[list[Doc]], seq_len: int, multiple: int | None) -> int:
@@ -221,7 +223,7 @@ class TrainLoader:
             )
         self.docs, self.pad_id, self.seq_len = docs, pad_id, cfg.data.seq_len
         self.global_batch, self.dp_rank, self.per_rank = t.global_batch_size, dp_rank, per_rank
-        lengths = padded_lengths(cfg, doc_lengths(docs.docs))
+        lengths = packing_lengths(cfg, doc_lengths(docs.docs))
         self.sampler = Sampler(
             docs.source_ids, counts, lengths, cfg.data.seq_len, cfg.data.packing, cfg.run.seed
         )
@@ -390,4 +392,4 @@ def build_val_batches(
 def _pack(cfg, docs: Docs) -> list[list[int]]:
     from ftcore.data.packing import pack
 
-    return pack(padded_lengths(cfg, doc_lengths(docs.docs)).tolist(), cfg.data.seq_len)
+    return pack(packing_lengths(cfg, doc_lengths(docs.docs)).tolist(), cfg.data.seq_len)

@@ -141,6 +141,9 @@ def wrap_ddp(cfg: DictConfig, chunks: list[GPTModel]):
                     disable_bucketing=i > 0,
                 )
             )
+    if ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather:
+        for chunk in wrapped:
+            gather_parameter_containers(chunk)
     # with overlap off DDP's gradient hook only adds .grad into main_grad: peft/fused.py may do
     # that add itself and skip the hook
     if not ddp_config.overlap_grad_reduce:
@@ -149,6 +152,23 @@ def wrap_ddp(cfg: DictConfig, chunks: list[GPTModel]):
                 if param.requires_grad:
                     param.ftcore_grad_into_main = True
     return wrapped
+
+
+def gather_parameter_containers(ddp) -> None:
+    """megatron DDP's forward pre-hooks wait for the all-gather of each module's OWN parameters;
+    parameters held in an `nn.ParameterDict`/`ParameterList` (LoRA's adapters) belong to a
+    container whose forward never runs, so their gather would be dispatched and never waited
+    (stale shards from the second step on; under VP a handle left open). The container's owner
+    runs DDP's hook for the container before its own forward."""
+    containers = (torch.nn.ParameterDict, torch.nn.ParameterList)
+    for owner in ddp.module.modules():
+        held = [c for c in owner.children() if isinstance(c, containers)]
+        if held:
+            hook = ddp._make_forward_pre_hook()  # megatron's own: wait, dispatch the next bucket
+            handle = owner.register_forward_pre_hook(
+                lambda _m, _a, held=held, hook=hook: [hook(c) for c in held] and None
+            )
+            ddp.ftcore_container_hooks = [*getattr(ddp, "ftcore_container_hooks", []), handle]
 
 
 def params_current(model: list) -> None:

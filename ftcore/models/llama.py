@@ -117,6 +117,9 @@ def layer_spec(cfg: DictConfig, config: TransformerConfig, *, on_cpu: bool, vp_s
 
         spec = recipes.layer_spec(cfg)  # None: no TE, precision.te_layers=false, or QLoRA
         if spec is not None:
+            from ftcore.models import thd
+
+            thd.install(spec)  # pad_between_seqs from the host, not read back per layer
             return spec
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     norm = ModuleSpec(module=RMSNorm)

@@ -85,6 +85,8 @@ def apply_peft(cfg: DictConfig, chunks: list) -> LoraSettings:
                 base = lora_linear(base, module, plan[module], geo=geo, r=s.r, scale=s.scale,
                                    dropout=s.dropout, tp=tp, sp=sp, dtype=dtype)  # fmt: skip
             setattr(parent, module, base)
+    if config.recompute_granularity == "full":
+        embedding_output_requires_grad(chunks)
     init_adapters(chunks, cfg.run.seed)
     if s.adapter_path:
         load_hf_adapter(chunks, s, cfg)
@@ -93,6 +95,21 @@ def apply_peft(cfg: DictConfig, chunks: list) -> LoraSettings:
         log.info("trainable params: %s || all params: %s || trainable%%: %.4f",
                  f"{trainable:,d}", f"{total:,d}", 100 * trainable / total)  # fmt: skip
     return s
+
+
+def embedding_output_requires_grad(chunks) -> None:
+    """Full recompute runs each layer inside megatron's reentrant checkpoint function, whose output
+    needs a gradient only if one of its inputs does. With the embedding frozen, the first stage's
+    layers would get none, and neither would their adapters (HF's enable_input_require_grads
+    exists for the same reason). Later stages receive tensors that require grad already."""
+
+    def hook(module, args, out):
+        if torch.is_grad_enabled() and not out.requires_grad:
+            out.requires_grad_(True)
+
+    for chunk in chunks:
+        if getattr(unwrap(chunk), "pre_process", False):
+            unwrap(chunk).embedding.register_forward_hook(hook)
 
 
 def _vocab_rows(name: str, p: torch.Tensor, vocab: int) -> int | None:

@@ -20,8 +20,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from ftcore.data import cp as cp_shard
 from ftcore.data.packing import microbatch_iterators
 from ftcore.data.pipeline import MicroBatch, attention_mask_from_segments
-from ftcore.data.transfer import to_device
-from ftcore.models import rope, target_logits
+from ftcore.data.transfer import pin_host_batches, to_device
+from ftcore.models import rope, target_logits, thd
 from ftcore.models.local import attention, cp_attention
 from ftcore.models.sharding import unwrap
 from ftcore.runtime import cpu
@@ -75,14 +75,23 @@ def loss_sums(outputs: list[dict]) -> list[float]:
 def packed_seq_params(mb: MicroBatch, device) -> PackedSeqParams:
     """THD layout for Transformer Engine's fused attention: documents of the packed row as
     cu_seqlens, so attention and RoPE restart per document without an s x s mask. cu_seqlens was
-    built with the micro-batch; the longest length is a Python int (no device read)."""
+    built with the micro-batch; the longest length is a Python int and pad_between_seqs a bool
+    from the host tensors (models/thd.py): TE reads nothing back from the device."""
     cu = to_device(mb.cu_seqlens, device)
     padded = None
     if mb.cu_seqlens_padded is not None:  # under CP: TE divides the whole row's by cp itself
         padded = to_device(mb.cu_seqlens_padded, device)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
-                           max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)  # fmt: skip
+    between = thd.pad_between_seqs(mb.cu_seqlens, mb.cu_seqlens_padded)
+    return thd.ThdParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                         cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                         max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen,
+                         pad_between_seqs=between)  # fmt: skip
+
+
+def local_batch(whole: MicroBatch, cp: int, cp_rank: int, device) -> MicroBatch:
+    """This CP rank's chunks of the rows (data/cp.py); for a CUDA device the slices are pinned
+    like the host batch they come from, so their non-blocking copies are not staged."""
+    return cp_shard.shard(whole, cp, cp_rank, pin=pin_host_batches(device))
 
 
 def forward_step(data_iterator, model):
@@ -100,7 +109,7 @@ def forward_step(data_iterator, model):
     device = next(model.parameters()).device
     chunk = unwrap(model)
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    mb = cp_shard.shard(whole, cp, cp_rank)  # this CP rank's chunks of the rows (data/cp.py)
+    mb = local_batch(whole, cp, cp_rank, device)
     rows = width = None
     if target_logits.applies(chunk):
         rows = to_device(target_logits.rows_of(mb.loss_mask), device)

@@ -194,6 +194,15 @@ def check_context_parallel(cfg: DictConfig) -> None:
             "shard (ftcore.generate refuses cp > 1 too)",
             field="eval.accuracy", fix="set eval.accuracy=false, or evaluate at parallel.cp=1",
         )  # fmt: skip
+    m = cfg.data.pack_multiple
+    if cfg.data.packing and m % (2 * p.cp):
+        raise FtcoreError(
+            f"packed rows keep room for CP padding where 2*cp divides data.pack_multiple={m}, "
+            f"not at cp={p.cp} (docs/context_parallel.md)",
+            field="data.pack_multiple",
+            fix=f"set data.pack_multiple={math.lcm(m, 2 * p.cp)}, and the same in the cp=1 run "
+            "it is compared with",
+        )
 
 
 def check_accuracy_decodes(cfg: DictConfig) -> None:

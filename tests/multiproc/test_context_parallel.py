@@ -1,7 +1,7 @@
 """Context parallelism does not change the math: each CP rank holds chunks r and 2*cp-1-r of every
 row (data/cp.py) and the CPU attention all-gathers K/V (models/local/cp_attention.py). fp32 on CPU,
-5 optimizer steps, unpacked and packed rows (documents padded to 4 and, at cp=2, split per
-document as TE's THD layout does; the cp=1 reference pads the same): cp=2 (with the distributed optimizer sharded over
+5 optimizer steps, unpacked and packed rows (the same rows at every cp; at cp=2 documents
+padded to 4 and split per document as TE's THD layout does, at cp=1 nothing padded): cp=2 (with the distributed optimizer sharded over
 dp x cp), cp=2 x tp=2 and cp=2 x pp=2 give cp=1's losses, gradient norms, weights and eval loss to
 1e-5 relative. One pool run per layout serves every assertion about it."""
 

@@ -16,6 +16,7 @@ from ftcore.data.packing import (
     make_microbatch,
     padded_length,
 )
+from ftcore.data.pipeline import doc_multiple
 from ftcore.data.templates import Doc
 from ftcore.models.local.attention import SdpaAttention
 from ftcore.models.sharding import unwrap
@@ -25,12 +26,12 @@ from tests.support.layouts import SyntheticLoader, build, full_weights, record_m
 
 
 class PackedLoader(SyntheticLoader):
-    """Global batch k: documents of 2 to seq/2 tokens (random targets), each padded to a multiple
-    of `doc_multiple` (what ftcore does under CP: 2*cp; the cp=1 reference pads the same, so
-    every layout packs the same rows), first-fit-decreasing into rows of data.seq_len, the first
-    global_batch_size rows (padding at the ends of rows)."""
+    """Global batch k: documents of 2 to seq/2 tokens (random targets), first-fit-decreasing into
+    rows of data.seq_len by their lengths rounded to `pack_multiple` at every cp (as ftcore's
+    loader, data.pack_multiple), the first global_batch_size rows; each document padded to 2*cp
+    under CP only (data/pipeline.py doc_multiple), so cp=1 pads nothing."""
 
-    doc_multiple = 4
+    pack_multiple = 4
 
     def next_microbatches(self):
         t, seq = self.cfg.train, self.cfg.data.seq_len
@@ -40,22 +41,24 @@ class PackedLoader(SyntheticLoader):
             Doc(r.integers(0, self.vocab, n).astype(np.int32), r.random(n) < 0.7)
             for n in r.integers(2, seq // 2 + 1, 4 * t.global_batch_size)
         ]
-        m = self.doc_multiple
-        bins = first_fit_decreasing([padded_length(len(d), m) for d in docs], seq)
+        bins = first_fit_decreasing([padded_length(len(d), self.pack_multiple) for d in docs], seq)
         bins = bins[: t.global_batch_size]
         per = t.global_batch_size // self.dp
         mine = bins[self.dp_rank * per : (self.dp_rank + 1) * per]
         mbs = t.micro_batch_size
         return [
-            make_microbatch([[docs[d] for d in row] for row in mine[i : i + mbs]], seq, 0, m)
+            make_microbatch(
+                [[docs[d] for d in row] for row in mine[i : i + mbs]],
+                seq,
+                0,
+                doc_multiple(self.cfg),
+            )  # fmt: skip
             for i in range(0, per, mbs)
         ]
 
 
-def train_unpacked_and_packed(
-    overrides: list[str], run_dir: str, steps: int, doc_multiple: int = 4
-) -> dict:
-    """Packed rows pad their documents to `doc_multiple` (PackedLoader). Per mode: losses, grad norms, full weights, the eval loss of one more batch, the sequence
+def train_unpacked_and_packed(overrides: list[str], run_dir: str, steps: int) -> dict:
+    """Packed rows as PackedLoader makes them. Per mode: losses, grad norms, full weights, the eval loss of one more batch, the sequence
     lengths the attention saw (s / cp when the batch is really sharded), and the rows the output
     layer computed per training micro-batch against this rank's targets (models/target_logits.py)."""
     out = {}
@@ -64,7 +67,6 @@ def train_unpacked_and_packed(
         if mode == "packed":
             state.loader = PackedLoader(state.cfg, ps.get_data_parallel_rank(), state.dp,
                                         state.cfg.model.vocab_size)  # fmt: skip
-            state.loader.doc_multiple = doc_multiple
         seen: set[int] = set()
         for chunk in state.model:
             for m in chunk.modules():

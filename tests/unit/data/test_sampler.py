@@ -138,7 +138,10 @@ def test_report_and_packing_efficiency(cache, tok, caplog):
 
     with caplog.at_level(logging.INFO, logger="ftcore"):
         unpacked = build_train_loader(cfg_for(cache), tok, 0, 1).report
-        packed = build_train_loader(cfg_for(cache, "data.packing=true"), tok, 0, 1).report
+        # pack_multiple=1: the packer's own efficiency, without the room rows keep for CP padding
+        packed = build_train_loader(
+            cfg_for(cache, "data.packing=true", "data.pack_multiple=1"), tok, 0, 1
+        ).report
     assert "packing efficiency" in caplog.text
     assert unpacked["samples"] == packed["samples"] == 4000
     assert unpacked["target_tokens"] == packed["target_tokens"] > 0
@@ -218,3 +221,30 @@ def test_epochs_are_exact_with_a_partial_last_step(packing):
     s2 = Sampler([np.arange(40)], [40], lengths, 64, packing, seed=1)
     end = s2.end_of(2.5)  # two passes and half the third's rows
     assert s2.rows_before(end) == 2 * total + -(-total // 2)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_packs_the_rows_of_cp1(cache, tok, cp):
+    """Issue 41 item 10: the same documents in the same rows at any cp (data.pack_multiple), each
+    padded to 2*cp inside its row and no row wider than seq_len; validation rows too."""
+    base = ["data.packing=true", "data.pack_multiple=8"]
+    ref = global_rows(cache, tok, 1, 4, *base)
+    assert global_rows(cache, tok, 1, 4, *base, f"parallel.cp={cp}") == ref
+    cfg = cfg_for(cache, *base, f"parallel.cp={cp}")
+    for mb in build_train_loader(cfg, tok, 0, 1).next_microbatches():
+        assert mb.tokens.shape[1] == 64
+        assert not (torch.diff(mb.cu_seqlens_padded) % (2 * cp)).any()
+    val = [cfg_for(cache, *base, *c, "data.val_fraction=0.1") for c in ([], [f"parallel.cp={cp}"])]
+    a, b = (build_val_batches(c, tok, 0, 1) for c in val)
+    assert [[m.num_tokens for m in s] for s in a] == [[m.num_tokens for m in s] for s in b]
+
+
+def test_cp_beyond_the_pack_multiple_is_refused(cache):
+    from ftcore.errors import FtcoreError
+    from ftcore.validation.checks import check_context_parallel
+
+    cfg = cfg_for(cache, "data.packing=true", "parallel.cp=16", "eval.accuracy=false")
+    with pytest.raises(FtcoreError) as e:
+        check_context_parallel(cfg)
+    assert e.value.field == "data.pack_multiple" and "data.pack_multiple=32" in str(e.value)
+    check_context_parallel(cfg_for(cache, "data.packing=false", "parallel.cp=16"))

@@ -246,3 +246,81 @@ def test_target_rows_attention_reads_no_device_value(seed):
     with RecordReads() as rec:
         attention_at_rows(q, k, v, mask, rows, 0.5, width)
     assert rec.reads == []
+
+
+def te_pad_between_seqs(cu, cu_padded) -> bool:
+    """Transformer Engine 2.9's own decision when `pad_between_seqs` is left None (transcribed
+    from DotProductAttention.forward, qkv_format "thd"; TE runs it on the device tensors, a host
+    sync in every attention layer): the padded starts differ from the real ones."""
+    return cu_padded is not None and not torch.equal(cu_padded[:-1], cu[:-1])
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_thd_params_carry_pad_between_seqs(cp):
+    """Issue 41 item 8: the THD parameters carry TE's pad_between_seqs, decided on the host."""
+    from ftcore.models.thd import ThdParams
+    from ftcore.training.step import packed_seq_params
+
+    rng = np.random.default_rng(cp)
+    seen = set()
+    for _ in range(20):
+        seq = 8 * int(rng.integers(2, 9))
+        lengths = [int(n) for n in rng.integers(1, seq // 2, size=int(rng.integers(1, 6)))]
+        docs = [Doc(rng.integers(0, 50, n).astype(np.int32), np.ones(n, bool)) for n in lengths]
+        rows = [[docs[i] for i in b] for b in pack([-(-n // 8) * 8 for n in lengths], seq)]
+        mb = make_microbatch(rows, seq, 0, 2 * cp if cp > 1 else 1)
+        with RecordTo():
+            p = packed_seq_params(mb, torch.device("cuda", 0))
+        assert isinstance(p, ThdParams) and type(p.pad_between_seqs) is bool
+        assert p.pad_between_seqs == te_pad_between_seqs(mb.cu_seqlens, mb.cu_seqlens_padded)
+        seen.add(p.pad_between_seqs)
+    assert seen == {False} if cp == 1 else True in seen
+
+
+def test_te_attention_receives_pad_between_seqs():
+    """The TE spec's core attention forwards the field to TE. A stand-in for megatron's
+    TEDotProductAttention with its contract (TE is not installable here): it keeps the field
+    names of megatron's PackedSeqParams and passes those of the given parameters to TE."""
+    import dataclasses
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from ftcore.models.thd import ThdParams, forwarding_pad_between_seqs
+
+    class MegatronTEAttention:
+        def __init__(self):
+            self.kept_packed_seq_params = {f.name for f in dataclasses.fields(PackedSeqParams)}
+
+        def forward(self, q, packed_seq_params=None):
+            return {k: getattr(packed_seq_params, k) for k in self.kept_packed_seq_params}
+
+    attn = forwarding_pad_between_seqs(MegatronTEAttention)()
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    got = attn.forward(None, packed_seq_params=ThdParams(cu_seqlens_q=cu, pad_between_seqs=True))
+    assert got["pad_between_seqs"] is True and got["cu_seqlens_q"] is cu
+    plain = attn.forward(None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
+    assert plain["pad_between_seqs"] is None  # TE decides, as before
+
+
+def test_cp_slices_pinned_for_cuda(monkeypatch):
+    """Issue 41 item 8: a CUDA run's CP slices (data/cp.py) are pinned like the host batch, so
+    their non-blocking copies are asynchronous; never on a CPU run."""
+    from ftcore.training.step import local_batch
+
+    pinned = []
+
+    def pin(t):  # no CUDA here: record the request instead of pinning
+        pinned.append(t)
+        return t
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    mb = _next_microbatches("cpu")[0]
+    local_batch(mb, 2, 0, torch.device("cpu"))
+    local_batch(mb, 2, 0, torch.device("cuda", 0))  # no CUDA: nothing pinned
+    assert not pinned
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    part = local_batch(mb, 2, 1, torch.device("cuda", 0))
+    assert len(pinned) == 5 and all(any(t is p for p in pinned) for t in
+                                    (part.tokens, part.labels, part.loss_mask, part.position_ids,
+                                     part.segment_ids))  # fmt: skip
+    assert local_batch(mb, 1, 0, torch.device("cuda", 0)) is mb  # cp=1: the batch as pinned
