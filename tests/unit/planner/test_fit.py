@@ -73,3 +73,23 @@ def test_the_docs_show_the_tables_of_today(pred, rows):
     assert not missing, (
         "docs/planner.md is stale; paste `python -m ftcore.planner.fit`:\n" + "\n".join(missing)
     )
+
+
+def test_held_out_rows_are_never_fitted_and_the_docs_show_them(pred, rows):
+    """The published rows of published_heldout.csv: none is a fitted row, each transcribed as
+    published (its TFLOP/s over its tokens/s is our model FLOPs per token), each predicted within
+    the 15% the fitted rows are held to, and docs/planner.md shows today's held-out table."""
+    from ftcore.planner import flops
+
+    held = fit.load_rows(fit.HELD_OUT_CSV)
+    assert len(held) >= 5
+    assert not {fit.row_key(r) for r in rows} & {fit.row_key(r) for r in held}
+    for r in held:
+        assert r["source"].startswith("Megatron-Bridge performance-summary-archive"), r
+        per_token = float(r["model_tflops_per_gpu"]) * 1e12 / float(r["tokens_per_s_per_gpu"])
+        cfg = pred.cfg(r)
+        assert flops.model_flops_per_token(cfg) == pytest.approx(per_token, rel=0.015), r
+        assert fit.abs_error(pred(r), float(r["tokens_per_s_per_gpu"])) < 0.15, fit.row_key(r)
+    text = DOCS.read_text()
+    missing = [line for line in fit.held_out_table(pred, held) if line not in text]
+    assert not missing, "docs/planner.md is stale; paste `python -m ftcore.planner.fit`"
