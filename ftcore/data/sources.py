@@ -101,8 +101,9 @@ def _json_records(f: Path) -> Iterator[tuple[str, object]]:
             n += 1
             seen, where = seen or bool(raw.strip()), f"{f}:{n}"
             if len(raw) > MAX_RECORD_BYTES and not raw.endswith(b"\n"):
-                while (more := fh.readline(1 << 20)) and not more.endswith(b"\n"):
-                    pass  # the rest of the line, never held whole
+                for piece in iter(lambda: fh.readline(1 << 20), b""):  # never held whole
+                    if piece.endswith(b"\n"):
+                        break  # the end of the oversized line
                 yield where, RecordError(where, _too_large())
                 continue
             try:

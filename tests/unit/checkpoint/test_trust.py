@@ -57,11 +57,17 @@ def _tampered(saved, tmp_path: Path) -> tuple[Path, Path]:
     md = FileSystemReader(str(step)).read_metadata()
     md.storage_meta = _Payload(marker)  # rides inside real metadata
     (step / ".metadata").write_bytes(pickle.dumps(md))
-    manifest = json.loads((step / "manifest.json").read_text())
-    data = (step / ".metadata").read_bytes()
-    manifest["files"][".metadata"] = [len(data), zlib.crc32(data)]
-    (step / "manifest.json").write_text(json.dumps(manifest))
+    _sign(step, ".metadata")
     return run, marker
+
+
+def _sign(step: Path, *names: str) -> None:
+    """Update the manifest's sizes and CRC32s of `names`, as a checkpoint's author could."""
+    manifest = json.loads((step / "manifest.json").read_text())
+    for name in names:
+        data = (step / name).read_bytes()
+        manifest["files"][name] = [len(data), zlib.crc32(data)]
+    (step / "manifest.json").write_text(json.dumps(manifest))
 
 
 def _run_state(run: Path, resume: str = "auto", run_id: str | None = None):
@@ -130,11 +136,7 @@ def _tampered_item(saved, tmp_path: Path) -> tuple[Path, Path]:
         f.write(buf.getvalue())
     info.offset, info.length = offset, len(buf.getvalue())
     (step / ".metadata").write_bytes(pickle.dumps(md))
-    manifest = json.loads((step / "manifest.json").read_text())
-    for name in (".metadata", info.relative_path):
-        data = (step / name).read_bytes()
-        manifest["files"][name] = [len(data), zlib.crc32(data)]
-    (step / "manifest.json").write_text(json.dumps(manifest))
+    _sign(step, ".metadata", info.relative_path)
     return run, marker
 
 
