@@ -55,6 +55,13 @@ def adapt(cfg: DictConfig, *, training: bool, say: bool) -> None:
                               fix="use instruction or chat data, or eval.accuracy=false")  # fmt: skip
         e.accuracy = False
         note("eval.accuracy (set by the preset) skipped: %s data has no answers to match", d.format)
+    p = cfg.parallel
+    if e.accuracy and (p.cp > 1 or (p.pp > 1 and p.vp > 1)) and "eval.accuracy" not in user:
+        e.accuracy = False  # decoding runs neither (validation/checks.py refuses an explicit one)
+        note(
+            "eval.accuracy (set by the preset) skipped: generation does not run at parallel.cp "
+            "> 1 or under the interleaved schedule (vp > 1); ftcore.eval measures it at cp=vp=1"
+        )
     if not training or not (e.accuracy or e.interval > 0) or not _no_held_out(cfg):
         return
     if "data.val_fraction" not in user:

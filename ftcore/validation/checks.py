@@ -211,6 +211,9 @@ def check_accuracy_decodes(cfg: DictConfig) -> None:
     derives a config that can; training cannot change its model, so it refuses here."""
     from ftcore.precision.decode import decode_problems
 
+    if cfg.eval.accuracy:
+        check_decoding_schedule(cfg, "eval.accuracy", "set eval.accuracy=false, or score the "
+                                "checkpoint with ftcore.eval eval.accuracy=true at parallel.vp=1")  # fmt: skip
     problems = decode_problems(cfg) if cfg.eval.accuracy else []
     if problems:
         raise FtcoreError(
@@ -223,11 +226,27 @@ def check_accuracy_decodes(cfg: DictConfig) -> None:
 
 
 def check_generation(cfg: DictConfig) -> None:
-    """ftcore.generate: one new position per forward cannot be cut into 2*cp chunks."""
+    """ftcore.generate: one new position per forward cannot be cut into 2*cp chunks, and one
+    micro-batch per forward is what megatron's interleaved schedule refuses (it needs pp)."""
     if cfg.parallel.cp > 1:
         raise FtcoreError(
             f"generation does not run under context parallelism (parallel.cp={cfg.parallel.cp})",
             field="parallel.cp", fix="generate with parallel.cp=1 (checkpoints load at any cp)",
+        )  # fmt: skip
+    check_decoding_schedule(
+        cfg, "parallel.vp", "generate with parallel.vp=1 (checkpoints load at any vp)"
+    )
+
+
+def check_decoding_schedule(cfg: DictConfig, field: str, fix: str) -> None:
+    """Decoding feeds megatron's schedule one micro-batch per forward; the interleaved schedule
+    (vp > 1) refuses fewer than pp micro-batches ("contiguous micro-batches ... [PP, M=1]")."""
+    p = cfg.parallel
+    if p.pp > 1 and p.vp > 1:
+        raise FtcoreError(
+            f"decoding runs one micro-batch per forward, which the interleaved pipeline schedule "
+            f"(parallel.vp={p.vp}) does not run",
+            field=field, fix=fix,
         )  # fmt: skip
 
 

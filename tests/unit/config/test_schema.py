@@ -135,6 +135,29 @@ def test_generation_refuses_context_parallelism():
         check_generation(compose(["+exp=tiny_full", "parallel.cp=2"]))
 
 
+def test_decoding_is_refused_under_the_interleaved_schedule():
+    """megatron's interleaved schedule refuses one micro-batch per forward (exit 1 at step 0
+    before): ftcore.generate and an explicit eval.accuracy are refused naming vp; a preset's
+    accuracy is skipped with a note instead."""
+    from ftcore.config.presets import adapt
+    from ftcore.validation.checks import check_accuracy_decodes, check_generation
+
+    vp = ["+exp=tiny_lora", "parallel.pp=2", "parallel.vp=2"]
+    check_generation(compose(["+exp=tiny_lora", "parallel.pp=2"]))
+    with pytest.raises(FtcoreError, match=r"parallel\.vp: .*interleaved") as e:
+        check_generation(compose(vp))
+    assert "parallel.vp=1" in e.value.fix
+    explicit = compose([*vp, "eval.accuracy=true"])
+    adapt(explicit, training=True, say=False)
+    with pytest.raises(FtcoreError, match=r"eval\.accuracy: .*interleaved"):
+        check_accuracy_decodes(explicit)
+    preset = compose(vp)
+    assert preset.eval.accuracy
+    adapt(preset, training=True, say=False)
+    assert not preset.eval.accuracy
+    check_accuracy_decodes(preset)
+
+
 def _run(*args):
     return subprocess.run(
         [sys.executable, "-m", "ftcore.train", *args], capture_output=True, text=True, timeout=300
