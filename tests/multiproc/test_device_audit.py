@@ -138,3 +138,24 @@ def test_dp2_evaluation_and_export_collectives_get_gpu_tensors(pool2, tmp_path):
     res = pool2.run(dp2_full_eval_export, str(tmp_path))
     assert res[0]["eval"] == res[1]["eval"] and torch.isfinite(torch.tensor(res[0]["eval"]))
     assert "config.json" in res[0]["files"], res[0]
+
+
+def cp2_packed_audited(run_dir: str) -> dict:
+    """Context parallelism with packed rows (the CPU's all-gather attention, its K/V and document
+    collectives) and an evaluation under the audit (issue 41)."""
+    from ftcore.runtime import device_audit
+    from ftcore.training import trainer
+    from ftcore.training.evaluation import evaluate
+    from tests.support.layouts import build
+
+    with device_audit.shadow_devices():
+        state = build(["parallel.cp=2", "data.packing=true"], run_dir)
+        loss = trainer.train_step(state)["loss"]
+        ev = evaluate(state, [state.loader.next_microbatches()])
+    return {"loss": loss, "eval": ev.loss}
+
+
+@pytest.mark.dist
+def test_cp2_packed_collectives_get_gpu_tensors(pool2, tmp_path):
+    res = pool2.run(cp2_packed_audited, str(tmp_path))
+    assert res[0] == res[1] and all(torch.isfinite(torch.tensor(list(res[0].values())))), res
