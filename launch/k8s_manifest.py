@@ -125,11 +125,9 @@ def _security(job: Job) -> dict:
     return {"capabilities": {"add": ["IPC_LOCK"]}} if FABRICS[job.k8s.fabric]["ipc_lock"] else {}
 
 
-def train_job(job: Job) -> dict:
-    """The TrainJob: trainer (image, argv, env, nodes, processes and GPUs per node) plus a
-    runtime patch for what the trainer fields cannot say (volumes, scheduling, grace)."""
-    volumes, mounts = _volumes(job)
-    container = {"name": NODE, "volumeMounts": mounts}
+def _pod_template(job: Job, volumes: list, container: dict) -> dict:
+    """One node's pod: the container (with the job's security context), volumes, scheduling and
+    annotations; the TrainJob's runtime patch and the PyTorchJob's replicas share it."""
     if _security(job):
         container["securityContext"] = _security(job)
     pod = _pod_spec(job, volumes)
@@ -137,6 +135,15 @@ def train_job(job: Job) -> dict:
     template: dict = {"spec": pod}
     if job.k8s.pod_annotations:
         template["metadata"] = {"annotations": dict(job.k8s.pod_annotations)}
+    return template
+
+
+def train_job(job: Job) -> dict:
+    """The TrainJob: trainer (image, argv, env, nodes, processes and GPUs per node) plus a
+    runtime patch for what the trainer fields cannot say (volumes, scheduling, grace)."""
+    volumes, mounts = _volumes(job)
+    container = {"name": NODE, "volumeMounts": mounts}
+    template = _pod_template(job, volumes, container)
     trainer = {
         "image": job.image,
         "command": job.argv[:3],
@@ -236,13 +243,7 @@ def pytorch_job(job: Job) -> dict:
     }
     if _resources(job):
         container["resources"] = _resources(job)
-    if _security(job):
-        container["securityContext"] = _security(job)
-    pod = _pod_spec(job, volumes)
-    pod["containers"] = [container]
-    template: dict = {"spec": pod}
-    if job.k8s.pod_annotations:
-        template["metadata"] = {"annotations": dict(job.k8s.pod_annotations)}
+    template = _pod_template(job, volumes, container)
     replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
     if job.nodes > 1:
         replicas["Worker"] = {
