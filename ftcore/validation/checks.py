@@ -211,9 +211,6 @@ def check_accuracy_decodes(cfg: DictConfig) -> None:
     derives a config that can; training cannot change its model, so it refuses here."""
     from ftcore.precision.decode import decode_problems
 
-    if cfg.eval.accuracy:
-        check_decoding_schedule(cfg, "eval.accuracy", "set eval.accuracy=false, or score the "
-                                "checkpoint with ftcore.eval eval.accuracy=true at parallel.vp=1")  # fmt: skip
     problems = decode_problems(cfg) if cfg.eval.accuracy else []
     if problems:
         raise FtcoreError(
@@ -223,6 +220,9 @@ def check_accuracy_decodes(cfg: DictConfig) -> None:
             fix="set eval.accuracy=false, and score the trained checkpoint with python -m "
             "ftcore.eval eval.accuracy=true (it decodes in BF16, without userbuffers)",
         )
+    if cfg.eval.accuracy:
+        check_decoding_schedule(cfg, "eval.accuracy", "set eval.accuracy=false, or score the "
+                                "checkpoint with ftcore.eval eval.accuracy=true at parallel.vp=1")  # fmt: skip
 
 
 def check_generation(cfg: DictConfig) -> None:
