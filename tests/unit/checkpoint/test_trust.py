@@ -93,25 +93,6 @@ def test_payload_metadata_is_refused_on_resume(saved, tmp_path):
     assert not marker.exists()
 
 
-def test_payload_metadata_is_refused_inside_megatrons_load(saved, tmp_path):
-    """The read megatron's load makes itself (past ftcore's own check) is the restricted one."""
-    from megatron.core import dist_checkpointing
-
-    from ftcore.checkpoint import resume
-    from ftcore.runtime import cpu
-
-    run, marker = _tampered(saved, tmp_path)
-    state = saved[1]
-    with pytest.raises(BaseException) as info:  # torch's CheckpointException is a BaseException
-        with cpu.device_mode(), safe_files.megatron_readers():
-            sd = resume.sharded_state_dict(
-                state, is_loading=True, optim=resume.optim_format(state.cfg)
-            )
-            dist_checkpointing.load(sd, str(run / "checkpoints" / "step_1"))
-    assert ".metadata is not checkpoint metadata" in str(info.value), info.value
-    assert not marker.exists()
-
-
 def _tampered_item(saved, tmp_path: Path) -> tuple[Path, Path]:
     """A copy of the run whose first byte item (a module's `_extra_state`, torch.save'd into a
     .distcp file) is a torch.save'd payload: appended to its file, its storage entry in
@@ -140,15 +121,25 @@ def _tampered_item(saved, tmp_path: Path) -> tuple[Path, Path]:
     return run, marker
 
 
-def test_payload_byte_item_is_refused_inside_megatrons_load(saved, tmp_path):
-    """torch's own load planner reads byte items with torch.load(weights_only=False); inside
-    megatron's load through ftcore they are plain data or refused, and the payload never runs."""
+# (how the checkpoint is tampered with, what the refusal says)
+PAYLOADS = {
+    "metadata": (_tampered, [".metadata is not checkpoint metadata"]),
+    # torch's own load planner reads byte items with torch.load(weights_only=False)
+    "byte_item": (_tampered_item, ["_extra_state", "is not plain data"]),
+}
+
+
+@pytest.mark.parametrize("where", PAYLOADS)
+def test_payload_is_refused_inside_megatrons_load(saved, tmp_path, where):
+    """The reads megatron's load makes itself (past ftcore's own check: `.metadata` and every
+    byte item) are the restricted ones, and the payload never runs."""
     from megatron.core import dist_checkpointing
 
     from ftcore.checkpoint import resume
     from ftcore.runtime import cpu
 
-    run, marker = _tampered_item(saved, tmp_path)
+    tamper, says = PAYLOADS[where]
+    run, marker = tamper(saved, tmp_path)
     state = saved[1]
     with pytest.raises(BaseException) as info:  # torch's CheckpointException is a BaseException
         with cpu.device_mode(), safe_files.megatron_readers():
@@ -156,19 +147,21 @@ def test_payload_byte_item_is_refused_inside_megatrons_load(saved, tmp_path):
                 state, is_loading=True, optim=resume.optim_format(state.cfg)
             )
             dist_checkpointing.load(sd, str(run / "checkpoints" / "step_1"))
-    assert "_extra_state" in str(info.value) and "is not plain data" in str(info.value), info.value
+    assert all(s in str(info.value) for s in says), info.value
     assert not marker.exists()
 
 
-def test_cli_resume_of_a_payload_byte_item_exits_2(saved, tmp_path):
-    """As a user meets it: `ftcore.train` resuming from a run whose byte item carries a payload."""
+@pytest.mark.parametrize("where", PAYLOADS)
+def test_cli_resume_of_a_payload_checkpoint_exits_2(saved, tmp_path, where):
+    """As a user meets it: `ftcore.train` resuming (checkpoint.resume=auto) from the crafted run."""
     from tests.support.tiny import TINY
 
-    run, marker = _tampered_item(saved, tmp_path)
+    tamper, says = PAYLOADS[where]
+    run, marker = tamper(saved, tmp_path)
     proc = cli("train", *TINY, "launcher.nproc_per_node=1", f"run.dir={run}", "train.max_steps=2",
                cwd=tmp_path)  # fmt: skip
     line = error_line(proc)
-    assert "checkpoint.resume:" in line and "is not plain data" in line, line
+    assert "checkpoint.resume:" in line and says[-1] in line, line
     assert not marker.exists()
 
 
@@ -241,18 +234,6 @@ def test_temporaries_never_follow_a_symlink(tmp_path):
     files.write_manifest(root / "step_3", {"step": 3})
     assert victim.read_text() == "precious"
     assert json.loads((root / "step_3" / "manifest.json").read_text())["step"] == 3
-
-
-def test_cli_resume_of_a_payload_checkpoint_exits_2(saved, tmp_path):
-    """As a user meets it: `ftcore.train` resuming (checkpoint.resume=auto) from the crafted run."""
-    from tests.support.tiny import TINY
-
-    run, marker = _tampered(saved, tmp_path)
-    proc = cli("train", *TINY, "launcher.nproc_per_node=1", f"run.dir={run}", "train.max_steps=2",
-               cwd=tmp_path)  # fmt: skip
-    line = error_line(proc)
-    assert "checkpoint.resume:" in line and ".metadata is not checkpoint metadata" in line, line
-    assert not marker.exists()
 
 
 def test_export_overwrite_removes_only_a_previous_export(saved, tmp_path):
