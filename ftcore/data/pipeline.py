@@ -224,21 +224,23 @@ class TrainLoader:
         self.report = self._report()
 
     def _report(self) -> dict:
-        rows = len(self.sampler.rows(0))
         ids = self.sampler.epoch_docs(0)  # the samples of epoch 0's rows, in another order
         g = self.docs.group
+        rows = len(self.sampler.rows(0))
+        slots = rows * self.seq_len * (1 if self.cfg.data.packing else g)  # unpacked pair: 2 rows
         tokens = int(per_sample(doc_lengths(self.docs.docs), g)[ids].sum())
         targets = int(per_sample(doc_learn(self.docs.docs), g)[ids].sum())
         return {
             "samples": len(ids),
+            "unit": "pairs" if g > 1 else "samples",
             "tokens": tokens,
             "target_tokens": targets,
             "dropped": self.docs.dropped,
             "truncated": self.docs.truncated,
             "bad_records": self.docs.bad_records,
             "rows": rows,
-            "packing_efficiency": targets / max(1, rows * self.seq_len),
-            "slot_fill": tokens / max(1, rows * self.seq_len),
+            "packing_efficiency": targets / max(1, slots),
+            "slot_fill": tokens / max(1, slots),
         }
 
     def next_rows(self) -> list[list[int]]:
@@ -263,10 +265,11 @@ class TrainLoader:
 def log_report(report: dict, what: str = "train") -> None:
     r = report
     log.info(
-        "data (%s): %d samples, %d tokens, %d target tokens, %d rows; dropped %d, truncated %d, bad records %d; "
+        "data (%s): %d %s, %d tokens, %d target tokens, %d rows; dropped %d, truncated %d, bad records %d; "
         "packing efficiency %.1f%% (target tokens / slot tokens; %.1f%% of slots hold tokens)",
         what,
         r["samples"],
+        r.get("unit", "samples"),
         r["tokens"],
         r["target_tokens"],
         r["rows"],
@@ -276,6 +279,10 @@ def log_report(report: dict, what: str = "train") -> None:
         100 * r["packing_efficiency"],
         100 * r["slot_fill"],
     )
+    if r["dropped"] and r.get("unit") == "pairs":
+        log.warning("%d preference pairs dropped: a prompt that fills data.seq_len (as TRL drops "
+                    "it), a sequence over it with data.truncate=drop, or, packed, two sequences "
+                    "longer than a row together; raise data.seq_len to keep them", r["dropped"])  # fmt: skip
 
 
 def _rank0() -> bool:

@@ -153,6 +153,24 @@ def test_pairs_stay_whole_and_count_as_samples(tmp_path, tok, packing):
     assert len(seen) == 80 and len(set(seen)) == 80  # one epoch: every sequence of every pair once
 
 
+def test_resume_position_counts_pairs(tmp_path, tok):
+    records = [
+        {"prompt": f"{i} + 1 =", "chosen": str(i + 1), "rejected": str(i)} for i in range(20)
+    ]
+    cfg = cfg_for(tmp_path, write(tmp_path / "p.jsonl", records), "train.global_batch_size=8")
+    ld = build_train_loader(cfg, tok, 0, 1)
+    assert ld.report["unit"] == "pairs" and ld.report["rows"] == 20
+    ld.next_rows(), ld.next_rows()
+    state = ld.state_dict()
+    assert (state["epoch"], state["index"]) == (0, 16)
+    want = [ld.next_microbatches() for _ in range(2)]  # into the second epoch
+    again = build_train_loader(cfg, tok, 0, 1)
+    again.load_state_dict(state)
+    for mbs in want:
+        for a, b in zip(mbs, again.next_microbatches()):
+            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.pair_index, b.pair_index)
+
+
 def test_cp_slices_the_pair_tags_with_the_tokens(tmp_path, tok):
     path = write(tmp_path / "p.jsonl", STANDARD[:4])
     cfg = cfg_for(tmp_path, path, "data.packing=true", "parallel.cp=2", "data.seq_len=64")
