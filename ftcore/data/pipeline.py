@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from ftcore.config.schema import assets_dir
+from ftcore.data import formats
 from ftcore.data.packing import MicroBatch, attention_mask_from_segments, make_microbatch
 from ftcore.data.sampler import Sampler, rng
 from ftcore.data.samples import Docs, doc_learn, doc_lengths, doc_rows, per_sample, truncate
@@ -59,30 +60,7 @@ def _check(cfg) -> None:
             field="data.mix",
             fix="list every source in data.mix",
         )
-    check_preference(cfg)
-
-
-def check_preference(cfg) -> None:
-    """Preference pairs go with the DPO objective and nothing else (a source of another format
-    in the mix, the prompt trained on, or the SFT loss on both completions would be wrong)."""
-    d = cfg.data
-    formats = {d.format} | {m.get("format") or d.format for m in d.mix or []}
-    objective = (cfg.get("objective") or {}).get("name")
-    if "preference" not in formats:
-        if objective == "dpo":
-            raise FtcoreError(f"objective=dpo trains on preference pairs, not {d.format} records",
-                              field="data.format", fix="data.format=preference (records with "
-                              "prompt, chosen and rejected)")  # fmt: skip
-        return
-    if len(formats) > 1:
-        raise FtcoreError(f"preference data mixed with {', '.join(sorted(formats - {'preference'}))}",
-                          field="data.mix", fix="give every source format=preference")  # fmt: skip
-    if objective not in (None, "dpo"):
-        raise FtcoreError(f"data.format=preference needs a preference objective, not {objective}",
-                          field="objective", fix="objective=dpo")  # fmt: skip
-    if d.train_on_prompt:
-        raise FtcoreError("preference losses count completion tokens only",
-                          field="data.train_on_prompt", fix="data.train_on_prompt=false")  # fmt: skip
+    formats.check_preference(cfg)
 
 
 def train_sources(cfg) -> list[tuple[str, float, str | None, str]]:

@@ -17,6 +17,7 @@ from ftcore.data import cp, formats
 from ftcore.data.pipeline import build_train_loader, build_val_batches, set_steps_from_epochs
 from ftcore.data.tokenizer import load_tokenizer
 from ftcore.errors import FtcoreError
+from ftcore.validation import checks
 
 CHAT = Path(__file__).parents[2] / "data" / "preference_chat.jsonl"
 STANDARD = [
@@ -223,6 +224,8 @@ def test_preference_is_detected_and_checked(tmp_path, tok):
         with pytest.raises(FtcoreError) as e:
             build_train_loader(cfg_for(tmp_path, path, extra), tok, 0, 1)
         assert e.value.field == field
+    with pytest.raises(FtcoreError, match="preference objective"):  # before anything is built
+        checks.validate(cfg_for(tmp_path, path, "++objective.name=sft"), 1)
     plain = write(tmp_path / "i.jsonl", [{"instruction": "q", "output": "a"}])
     with pytest.raises(FtcoreError, match="preference pairs") as e:
         build_train_loader(cfg_for(tmp_path, plain, "data.format=instruction", "++objective.name=dpo"),
