@@ -161,6 +161,8 @@ def test_resume_position_counts_pairs(tmp_path, tok):
     cfg = cfg_for(tmp_path, write(tmp_path / "p.jsonl", records), "train.global_batch_size=8")
     ld = build_train_loader(cfg, tok, 0, 1)
     assert ld.report["unit"] == "pairs" and ld.report["rows"] == 20
+    few = build_train_loader(cfg_for(tmp_path, cfg.data.path, "data.max_samples=5"), tok, 0, 1)
+    assert few.report["samples"] == 5  # data.max_samples counts pairs
     ld.next_rows(), ld.next_rows()
     state = ld.state_dict()
     assert (state["epoch"], state["index"]) == (0, 16)
