@@ -174,11 +174,13 @@ def test_resume_position_counts_pairs(tmp_path, tok):
             assert torch.equal(a.tokens, b.tokens) and torch.equal(a.pair_index, b.pair_index)
 
 
-def test_cp_slices_the_pair_tags_with_the_tokens(tmp_path, tok):
+@pytest.mark.parametrize("packing", [False, True])
+def test_cp_slices_the_pair_tags_with_the_tokens(tmp_path, tok, packing):
     path = write(tmp_path / "p.jsonl", STANDARD[:4])
-    cfg = cfg_for(tmp_path, path, "data.packing=true", "parallel.cp=2", "data.seq_len=64")
-    (mb,) = build_val_batches(cfg, tok, 0, 1, path=path)[0][:1]
-    assert mb.cu_seqlens_padded is not None and mb.num_pairs >= 2
+    cfg = cfg_for(tmp_path, path, f"data.packing={packing}", "parallel.cp=2", "data.seq_len=64")
+    mb = build_val_batches(cfg, tok, 0, 1, path=path)[0][0]
+    assert (mb.cu_seqlens_padded is not None) == packing and mb.num_pairs >= (2 if packing else 1)
+    assert mb.tokens.shape[1] % 4 == 0  # trimmed to what 2*cp divides
     parts = [cp.shard(mb, 2, r) for r in range(2)]
     for name in ("pair_index", "pair_side", "loss_mask"):
         whole = getattr(mb, name).gather(1, cp.gathered_row_positions(mb, 2))
