@@ -237,9 +237,13 @@ def test_preference_is_detected_and_checked(tmp_path, tok):
     assert e.value.field == "data.format"
 
 
-def test_bundled_sample_is_what_its_script_writes(tmp_path):
+def test_bundled_sample_is_the_default_and_what_its_script_writes(tmp_path, tok):
     from ftcore.assets import make_preference
     from ftcore.config.schema import assets_dir
+
+    cfg = compose([f"data.cache_dir={tmp_path}/cache", "data.format=preference"])
+    assert build_train_loader(cfg, tok, 0, 1).report["samples"] == 400
+    assert sum(mb.num_pairs for b in build_val_batches(cfg, tok, 0, 1) for mb in b) == 60
 
     make_preference.main(["--out", str(tmp_path)])
     for name in ("preference_train.jsonl", "preference_val.jsonl"):
