@@ -21,7 +21,7 @@ CHOICES = {
     "model.init_method": ("auto", "layout_independent", "sharded"),
     "model.family": tuple(FAMILIES),
     "peft.name": ("none", "lora", "qlora"),
-    "data.format": ("auto", "instruction", "chat", "prompt_completion", "text"),
+    "data.format": ("auto", "instruction", "chat", "prompt_completion", "text", "preference"),
     "data.truncate": ("right", "drop"),
     "data.on_bad_record": ("error", "skip"),
     "logger.wandb.mode": ("disabled", "offline", "online"),
@@ -326,6 +326,9 @@ def check_layout(
     from ftcore.validation import preflight
 
     check_divisibility(cfg, world_size_of(cfg, launched))
+    from ftcore.data.formats import check_preference
+
+    check_preference(cfg)  # preference pairs go with objective=dpo, and it with them
     from ftcore.models import speed
 
     speed.check(cfg)  # overlap, recompute, fusions, CUDA graphs: ftcore's rules, then megatron's
