@@ -329,6 +329,9 @@ def check_layout(
     from ftcore.data.formats import check_preference
 
     check_preference(cfg)  # preference pairs go with objective=dpo, and it with them
+    from ftcore.validation.moe_checks import check_moe
+
+    check_moe(cfg, world_size_of(cfg, launched), training=training)  # ep, etp: docs/moe.md
     from ftcore.models import speed
 
     speed.check(cfg)  # overlap, recompute, fusions, CUDA graphs: ftcore's rules, then megatron's
