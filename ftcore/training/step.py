@@ -21,7 +21,7 @@ from ftcore.data import cp as cp_shard
 from ftcore.data.packing import microbatch_iterators
 from ftcore.data.pipeline import MicroBatch, attention_mask_from_segments
 from ftcore.data.transfer import pin_host_batches, to_device
-from ftcore.models import rope, target_logits, thd
+from ftcore.models import moe_routing, rope, target_logits, thd
 from ftcore.models.local import attention, cp_attention
 from ftcore.models.sharding import unwrap
 from ftcore.runtime import cpu
@@ -132,6 +132,8 @@ def forward_step(data_iterator, model):
         mask = None
         if packed:
             kwargs["packed_seq_params"] = packed_seq_params(mb, device)
+    if getattr(chunk.config, "num_moe_experts", None):  # padding routes nowhere (moe_routing.py)
+        kwargs["padding_mask"] = to_device(moe_routing.padding_mask(chunk, mb.segment_ids), device)
     with (
         cpu.mode_suspended(),
         target_logits.only_at(chunk, rows, width),
