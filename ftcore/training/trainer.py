@@ -57,7 +57,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     from ftcore.data import formats
     from ftcore.data.pipeline import build_train_loader, build_val_batches, set_steps_from_epochs
     from ftcore.data.tokenizer import load_tokenizer
-    from ftcore.models import moe_routing
+    from ftcore.models import moe_params, moe_routing
     from ftcore.models.builder import build_model, wrap_ddp
     from ftcore.training.optim import build_optimizer, build_scheduler
     from ftcore.validation import checks
@@ -108,6 +108,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     # 7. Model: this rank's chunks, layout-independent init, then HF weights straight into the shards.
     chunks = build_model(cfg)
     moe_routing.install(chunks)  # layout-independent auxiliary losses, expert load (docs/moe.md)
+    moe_params.experts_apart(chunks)  # one optimizer layout at every ep (resume across ep)
     if cfg.model.hf_path or cfg.model.init_path:
         from ftcore.hf.io import load_weights
 

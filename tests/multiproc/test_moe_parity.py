@@ -11,12 +11,15 @@ several seconds); here the runs share the session's gloo pools and one checkpoin
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 import torch
 
+from tests.support.cli import cli
 from tests.support.moe import make_tiny_moe
+from tests.support.tiny import TINY
 
 RTOL = 1e-5
 STEPS = 5
@@ -29,17 +32,18 @@ DISTOPT = "parallel.distributed_optimizer=true"
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> list[str]:
     path = make_tiny_moe(tmp_path_factory.mktemp("moe") / "qwen3_moe", num_hidden_layers=4)
-    return [f"model.hf_path={path}", "precision=fp32", *AUX]
+    return [f"model.hf_path={path}", "precision=fp32", f"train.max_steps={STEPS}", *AUX]
 
 
-def run_case(overrides: list[str], run_dir: str, steps: int, save_at: int = 0, resume=False):
-    """`steps` training steps (resumed from run_dir's checkpoint when `resume`); per step the LM
-    loss, aux_loss and expert load as train_step reports them."""
+def run_case(overrides: list[str], run_dir: str, steps: int, save_at: int = 0):
+    """`steps` training steps as `python -m ftcore.train` makes them (trainer.setup with its data
+    loader, resuming from run_dir's checkpoint if there is one); per step the LM loss, aux_loss
+    and expert load as metrics.jsonl gets them."""
     from ftcore.checkpoint import store
+    from ftcore.config.schema import compose
     from ftcore.training import trainer
-    from tests.support.ckpt_cases import build_resumed
 
-    state = build_resumed(overrides, run_dir, resume="auto" if resume else "never")
+    state = trainer.setup(compose([*TINY, *overrides, f"run.dir={run_dir}"]))
     out = {"start": state.step, "loss": [], "aux_loss": [], "load": []}
     for _ in range(steps):
         step = trainer.train_step(state)
@@ -60,8 +64,14 @@ def _close(got, ref, what: str, rtol: float = RTOL) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(pool1, base, tmp_path_factory):
-    return pool1.run(run_case, base, str(tmp_path_factory.mktemp("ref")), STEPS)[0]
+def reference(base, tmp_path_factory) -> dict:
+    """The one-process run, as a user runs it: its metrics.jsonl."""
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    proc = cli("train", *TINY, *base, f"run.dir={run_dir}", timeout=420)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    keys = {"loss": "loss", "aux_loss": "aux_loss", "load": "expert_load_max_over_mean"}
+    return {k: [x[v] for x in lines if "loss" in x] for k, v in keys.items()}
 
 
 @pytest.fixture(scope="module")
@@ -111,15 +121,16 @@ def test_resume_at_another_ep_size(pool2, base, ep2_distopt, tmp_path):
     reshard (megatron's sharded state dicts with expert offsets)."""
     ref, first = ep2_distopt
     shutil.copytree(first, tmp_path / "run")
-    got = pool2.run(run_case, [*base, DISTOPT], str(tmp_path / "run"), STEPS - SAVE_AT, 0, True)
+    got = pool2.run(run_case, [*base, DISTOPT], str(tmp_path / "run"), STEPS - SAVE_AT)
     assert got[0]["start"] == SAVE_AT
     _close(got[0]["loss"], ref["loss"][SAVE_AT:], "resumed LM loss", 1e-6)
     _close(got[0]["aux_loss"], ref["aux_loss"][SAVE_AT:], "resumed aux_loss", 1e-6)
 
 
-def padding_case(overrides: list[str], run_dir: str, trim: bool) -> tuple[float, float, float]:
-    """One step on rows of 14-28 real tokens then padding: padded to data.seq_len, or trimmed to
-    each micro-batch's longest row (as data.trim_padding does). Returns loss, aux_loss, load."""
+def padding_case(overrides: list[str], run_dir: str) -> list[tuple[float, float, float]]:
+    """One step on rows of 14-28 real tokens then padding, padded to data.seq_len, and the same
+    step again from the same weights on the rows trimmed to each micro-batch's longest (as
+    data.trim_padding does). Returns (loss, aux_loss, load) of each."""
     from ftcore.data.pipeline import MicroBatch
     from ftcore.training import trainer
     from tests.support.layouts import build, global_batch, stack
@@ -131,21 +142,25 @@ def padding_case(overrides: list[str], run_dir: str, trim: bool) -> tuple[float,
         for t in (r.tokens, r.labels, r.loss_mask, r.segment_ids):
             t[0, n:] = 0
         r.num_tokens = n
-    mbs = [stack(rows[i : i + 2]) for i in range(0, 8, 2)]
-    if trim:
-        width = [int((mb.segment_ids > 0).sum(dim=1).max()) for mb in mbs]
-        mbs = [MicroBatch(mb.tokens[:, :w], mb.labels[:, :w], mb.loss_mask[:, :w],
+    padded = [stack(rows[i : i + 2]) for i in range(0, 8, 2)]
+    width = [int((mb.segment_ids > 0).sum(dim=1).max()) for mb in padded]
+    trimmed = [MicroBatch(mb.tokens[:, :w], mb.labels[:, :w], mb.loss_mask[:, :w],
                           mb.position_ids[:, :w], mb.segment_ids[:, :w], mb.num_tokens)
-               for mb, w in zip(mbs, width)]  # fmt: skip
-    state.loader = type("Fixed", (), {"next_microbatches": lambda self: mbs})()
-    out = trainer.train_step(state)
-    return out["loss"], out["aux_loss"], out["expert_load_max_over_mean"]
+               for mb, w in zip(padded, width)]  # fmt: skip
+    weights = [p.detach().clone() for p in state.model[0].parameters()]
+    out = []
+    for mbs in (padded, trimmed):
+        for p, w in zip(state.model[0].parameters(), weights):
+            p.data.copy_(w)
+        state.loader = type("Fixed", (), {"next_microbatches": lambda self, mbs=mbs: mbs})()
+        step = trainer.train_step(state)
+        out.append((step["loss"], step["aux_loss"], step["expert_load_max_over_mean"]))
+    return out
 
 
 @pytest.mark.dist
 def test_padding_leaves_aux_loss(pool1, base, tmp_path):
     """Padding counts nowhere: the router gets megatron's padding mask (segment 0), so padded and
     trimmed rows give one LM loss, one aux_loss and one expert load."""
-    padded = pool1.run(padding_case, base, str(tmp_path / "a"), False)[0]
-    trimmed = pool1.run(padding_case, base, str(tmp_path / "b"), True)[0]
+    padded, trimmed = pool1.run(padding_case, base, str(tmp_path))[0]
     _close(padded, trimmed, "loss, aux_loss, load with padding vs trimmed", 1e-6)
