@@ -9,8 +9,8 @@ TP x CP ranks by megatron's own helper), and the step scale `target tokens / val
 whole global batch: after megatron divides every gradient by the target tokens, the optimised
 auxiliary term is the token-weighted mean over the step's micro-batches of each layer's
 coefficient x load-balancing loss (+ z-loss), summed over layers, whatever tp, cp, dp, ep, pp and
-the micro-batch count. Padding (segment 0) reaches the router as megatron's padding mask and
-counts nowhere. The step scale is set for the whole step (`step_scale`), so a recomputed layer
+the micro-batch count. Padding (data.packing.real_tokens: the rows' ends and, packed under CP,
+the pads after each document) reaches the router as megatron's padding mask and counts nowhere. The step scale is set for the whole step (`step_scale`), so a recomputed layer
 (parallel.recompute) attaches the same values in the backward as the forward would have.
 """
 
@@ -108,13 +108,12 @@ def routers(chunks: list) -> list[Router]:
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, Router)]
 
 
-def padding_mask(chunk, segment_ids: torch.Tensor) -> torch.Tensor:
-    """megatron's MoE padding mask (True = padding) for `chunk`'s input rows [b, s] of this CP
-    rank. megatron scatters it over the SP ranks in the first stage's embedding only; a later
-    stage gets this TP rank's slice of the sequence here."""
+def padding_mask(chunk, pad: torch.Tensor) -> torch.Tensor:
+    """megatron's MoE padding mask (True = padding) for `chunk` from this CP rank's rows [b, s]
+    (`pad`: True at padding). megatron scatters it over the SP ranks in the first stage's
+    embedding only; a later stage gets this TP rank's slice of the sequence here."""
     from megatron.core import parallel_state as ps
 
-    pad = segment_ids == 0
     if not chunk.pre_process and chunk.config.sequence_parallel:
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         n = pad.shape[1] // tp

@@ -1,6 +1,7 @@
 """Mixture of experts (issue 43): five fp32 training steps from a tiny random Qwen3-MoE checkpoint
-(tests/support/moe.py) at ep=2, ep=2 x tp=2 (SP), ep=2 x pp=2 and ep=2 with the distributed
-optimizer give the one-process LM loss and `aux_loss` to 1e-5; resumed at ep=1 x dp=2 (optimizer
+(tests/support/moe.py) at ep=2, ep=2 x tp=2 (SP), ep=2 x pp=2, ep=2 x cp=2 (packed rows: each
+document padded for CP) and ep=2 with the distributed optimizer give the one-process
+`python -m ftcore.train` LM loss, `aux_loss` and expert load to 1e-5; resumed at ep=1 x dp=2 (optimizer
 state included) the next steps give the uninterrupted ep=2 run's losses to 1e-6; padding leaves
 the auxiliary loss as it is (docs/moe.md, "The auxiliary loss").
 
@@ -94,6 +95,7 @@ LAYOUTS = {
     "ep2": (2, ["parallel.ep=2"]),
     "ep2_tp2": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true"]),
     "ep2_pp2": (4, ["parallel.ep=2", "parallel.pp=2"]),
+    "ep2_cp2": (2, ["parallel.ep=2", "parallel.cp=2"]),
 }
 
 
