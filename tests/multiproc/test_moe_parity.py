@@ -45,7 +45,7 @@ def run_case(overrides: list[str], run_dir: str, steps: int, save_at: int = 0):
     from ftcore.training import trainer
 
     state = trainer.setup(compose([*TINY, *overrides, f"run.dir={run_dir}"]))
-    out = {"start": state.step, "loss": [], "aux_loss": [], "load": []}
+    out = {"start": state.step, "loss": [], "aux_loss": [], "load": [], "grad_norm": []}
     for _ in range(steps):
         step = trainer.train_step(state)
         assert not step.get("skipped"), step
@@ -53,6 +53,7 @@ def run_case(overrides: list[str], run_dir: str, steps: int, save_at: int = 0):
         out["loss"].append(step["loss"])
         out["aux_loss"].append(step["aux_loss"])
         out["load"].append(step["expert_load_max_over_mean"])
+        out["grad_norm"].append(step["grad_norm"])
         if state.step == save_at:
             store.save(state)
     return out
@@ -71,7 +72,8 @@ def reference(base, tmp_path_factory) -> dict:
     proc = cli("train", *TINY, *base, f"run.dir={run_dir}", timeout=420)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    keys = {"loss": "loss", "aux_loss": "aux_loss", "load": "expert_load_max_over_mean"}
+    keys = {"loss": "loss", "aux_loss": "aux_loss", "load": "expert_load_max_over_mean",
+            "grad_norm": "grad_norm"}  # fmt: skip
     return {k: [x[v] for x in lines if "loss" in x] for k, v in keys.items()}
 
 
@@ -108,6 +110,9 @@ def test_layout_matches_one_process(request, reference, base, tmp_path, layout):
     _close(got["loss"], reference["loss"], "LM loss")
     _close(got["aux_loss"], reference["aux_loss"], "aux_loss")
     _close(got["load"], reference["load"], "expert load")
+    # dense and expert gradients in one norm (megatron's ChainedOptimizer), as tests/multiproc/
+    # test_parity_matrix.py holds them: summed in another order by layout
+    _close(got["grad_norm"], reference["grad_norm"], "grad norm", 1e-4)
 
 
 @pytest.mark.dist
@@ -115,6 +120,7 @@ def test_distributed_optimizer_matches_one_process(reference, ep2_distopt):
     got, _ = ep2_distopt
     _close(got["loss"], reference["loss"], "LM loss")
     _close(got["aux_loss"], reference["aux_loss"], "aux_loss")
+    _close(got["grad_norm"], reference["grad_norm"], "grad norm", 1e-4)
 
 
 @pytest.mark.dist
