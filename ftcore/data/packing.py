@@ -306,6 +306,22 @@ def make_microbatch(
     )
 
 
+def real_tokens(mb: MicroBatch) -> torch.Tensor:
+    """bool [b, s]: the documents' own tokens, False for padding: the rows' ends (segment 0) and,
+    in rows packed under CP, the pads that follow each document with its segment id (the gaps
+    between `cu_seqlens` and `cu_seqlens_padded`). What a MoE router counts (docs/moe.md)."""
+    real = mb.segment_ids > 0
+    if mb.cu_seqlens_padded is None:
+        return real
+    flat = real.reshape(-1).clone()
+    lengths = (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).tolist()
+    for start, end, n in zip(
+        mb.cu_seqlens_padded[:-1].tolist(), mb.cu_seqlens_padded[1:].tolist(), lengths
+    ):
+        flat[start + n : end] = False
+    return flat.reshape(real.shape)
+
+
 def attention_mask_from_segments(segment_ids: torch.Tensor) -> torch.Tensor:
     """bool [b, 1, s, s], True = masked out (megatron's convention).
 

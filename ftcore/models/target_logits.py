@@ -58,10 +58,15 @@ def _pick(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def _mlp_can_pick(chunk) -> bool:
     """The last layer's MLP may run at the targets only unless full recompute reruns the layer
-    after `only_at` has ended, FP8/FP4 GEMMs need the token count in multiples of 16, or sequence
-    parallelism splits the sequence among the TP ranks there."""
+    after `only_at` has ended, FP8/FP4 GEMMs need the token count in multiples of 16, sequence
+    parallelism splits the sequence among the TP ranks there, or it is a mixture of experts
+    (its router balances, and counts, every token: docs/moe.md)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
     c = chunk.config
     layers = chunk.decoder.layers if chunk.decoder is not None else []
+    if len(layers) > 0 and isinstance(layers[-1].mlp, MoELayer):
+        return False
     fp4 = getattr(c, "fp4", None)
     quant = c.fp8 or fp4
     return (

@@ -18,10 +18,10 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ftcore.data import cp as cp_shard
-from ftcore.data.packing import microbatch_iterators
+from ftcore.data.packing import microbatch_iterators, real_tokens
 from ftcore.data.pipeline import MicroBatch, attention_mask_from_segments
 from ftcore.data.transfer import pin_host_batches, to_device
-from ftcore.models import rope, target_logits, thd
+from ftcore.models import moe_routing, rope, target_logits, thd
 from ftcore.models.local import attention, cp_attention
 from ftcore.models.sharding import unwrap
 from ftcore.runtime import cpu
@@ -132,6 +132,11 @@ def forward_step(data_iterator, model):
         mask = None
         if packed:
             kwargs["packed_seq_params"] = packed_seq_params(mb, device)
+    if getattr(chunk.config, "num_moe_experts", None):  # padding routes nowhere (moe_routing.py)
+        real = real_tokens(whole)
+        if cp > 1:
+            real = real.gather(1, cp_shard.row_positions(whole, cp, cp_rank))
+        kwargs["padding_mask"] = to_device(moe_routing.padding_mask(chunk, ~real), device)
     with (
         cpu.mode_suspended(),
         target_logits.only_at(chunk, rows, width),

@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from ftcore.errors import FtcoreError, StopRequested
 from ftcore.runtime import cpu, signals
 from ftcore.runtime import dist as rdist
 from ftcore.training import metrics as metrics_mod
-from ftcore.training import optim, overlap
+from ftcore.training import moe_metrics, optim, overlap
 from ftcore.training.evaluation import evaluate
 from ftcore.training.step import is_data_rank, reduce_sums, run_batches
 from ftcore.training.timing import DATA, FWD_BWD, GRAD_SYNC, OPTIMIZER, timed
@@ -56,6 +57,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     from ftcore.data import formats
     from ftcore.data.pipeline import build_train_loader, build_val_batches, set_steps_from_epochs
     from ftcore.data.tokenizer import load_tokenizer
+    from ftcore.models import moe_params, moe_routing
     from ftcore.models.builder import build_model, wrap_ddp
     from ftcore.training.optim import build_optimizer, build_scheduler
     from ftcore.validation import checks
@@ -105,6 +107,8 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
         Renderer(state.tokenizer, cfg.data.format, cfg.data.chat_template, cfg.data.train_on_prompt)
     # 7. Model: this rank's chunks, layout-independent init, then HF weights straight into the shards.
     chunks = build_model(cfg)
+    moe_routing.install(chunks)  # layout-independent auxiliary losses, expert load (docs/moe.md)
+    moe_params.experts_apart(chunks)  # one optimizer layout at every ep (resume across ep)
     if cfg.model.hf_path or cfg.model.init_path:
         from ftcore.hf.io import load_weights
 
@@ -165,10 +169,16 @@ def train_step(state: TrainState) -> dict:
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
+    moe = moe_metrics.is_moe(state.model)
     with timed(timers, FWD_BWD):
-        loss_sum, target_tokens = run_batches(
-            state, microbatches, forward_only=False, timers=timers
+        scaled = (
+            moe_metrics.scaled_step(state, microbatches, is_data_rank()) if moe else nullcontext()
         )
+        with scaled:
+            loss_sum, target_tokens = run_batches(
+                state, microbatches, forward_only=False, timers=timers
+            )
+    extra = moe_metrics.collect(state) if moe else {}  # aux_loss, expert load (docs/moe.md)
     loss = loss_sum / max(target_tokens, 1.0)
     if not math.isfinite(loss):
         return {
@@ -197,6 +207,7 @@ def train_step(state: TrainState) -> dict:
         "grad_norm": norm,
         "tokens": int(tokens),
         "target_tokens": int(target_tokens),
+        **extra,
     }
 
 
@@ -255,6 +266,7 @@ def fit(state: TrainState) -> None:
                 "peak_mem_gib": metrics_mod.peak_mem_gib(),
             }
             record.update(metrics_mod.throughput_fields(cfg, record["tokens_per_s_per_gpu"]))
+            record.update({k: out[k] for k in moe_metrics.FIELDS if k in out})
             writer.write(record)
             state.extra["last_loss"] = out["loss"]
             t0 = time.perf_counter()

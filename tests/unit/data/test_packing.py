@@ -15,6 +15,7 @@ from ftcore.data.packing import (
     make_microbatch,
     most_documents_first,
     pack,
+    real_tokens,
 )
 from ftcore.data.templates import Doc
 
@@ -176,6 +177,22 @@ def test_microbatch_tensors_by_hand():
     assert mb.loss_mask.dtype == torch.float32 and mb.segment_ids.dtype == torch.int32
     with pytest.raises(ValueError):
         make_microbatch([[a, a, b]], seq_len=8, pad_id=PAD)
+
+
+def test_real_tokens_leave_out_row_and_document_padding():
+    """A MoE router's valid tokens (docs/moe.md): not the row's end, and under CP (doc_multiple)
+    not the pads each document gets with its own segment id either."""
+    a = doc([10, 11, 12], [0, 1, 1])
+    b = doc([20, 21, 22, 23, 24], [0, 1, 1, 1, 1])
+    plain = make_microbatch([[a, b]], seq_len=12, pad_id=PAD)
+    assert real_tokens(plain).int().tolist() == [[1] * 8 + [0] * 4]
+    cp = make_microbatch([[a, b], [a]], seq_len=12, pad_id=PAD, doc_multiple=4)
+    assert cp.segment_ids.tolist()[0] == [1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2]
+    assert real_tokens(cp).int().tolist() == [
+        [1, 1, 1, 0, 1, 1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+    ]
+    assert int(real_tokens(cp).sum()) == cp.num_tokens
 
 
 def test_attention_mask_block_diagonal_causal():

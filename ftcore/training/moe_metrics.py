@@ -1,0 +1,67 @@
+"""A mixture-of-experts step's auxiliary-loss scale and its metrics.jsonl fields: `aux_loss` (the
+optimised auxiliary total: coefficient x load-balancing loss, plus the z-loss, summed over layers,
+token-weighted over the step's micro-batches) and `expert_load_max_over_mean` (the worst layer's
+most loaded expert over the mean; 1.0 is perfect balance). docs/moe.md."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from ftcore.models import moe_routing
+from ftcore.models.sharding import unwrap
+from ftcore.runtime import dist as rdist
+
+FIELDS = ("aux_loss", "z_loss", "expert_load_max_over_mean")  # metrics.jsonl, MoE runs only
+
+
+def is_moe(model: list) -> bool:
+    return getattr(unwrap(model[0]).config, "num_moe_experts", None) is not None
+
+
+def _world_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+@contextmanager
+def scaled_step(state, microbatches: list, contribute: bool):
+    """Around one training step's forward and backward: the global batch's target tokens / valid
+    tokens for the routers (models/moe_routing.py), summed over the world from the ranks that
+    load distinct micro-batches (`contribute`, step.is_data_rank). The counts stay on the device
+    (no host read before the forward); `state.extra["moe_tokens"]` keeps them for `collect`."""
+    counts = [float(sum(mb.num_tokens for mb in microbatches)),
+              float(sum(float(mb.loss_mask.sum()) for mb in microbatches))]  # fmt: skip
+    t = torch.tensor(counts if contribute else [0.0, 0.0], device=rdist.comm_device())
+    t = _world_sum(t)
+    state.extra["moe_tokens"] = t
+    with moe_routing.step_scale(t[1] / t[0].clamp_min(1.0)):
+        yield
+
+
+def collect(state) -> dict:
+    """The step's `aux_loss` and `expert_load_max_over_mean`, summed over the world (each layer's
+    router lives on one pipeline stage; TP/SP, CP, DP and EP ranks hold disjoint tokens), and the
+    routers' counters set back to zero. One all-reduce and one host read per step."""
+    rs = moe_routing.routers(state.model)
+    config = unwrap(state.model[0]).config
+    width = 2 + config.num_moe_experts
+    table = torch.zeros(config.num_layers, width, device=rdist.comm_device())
+    for r in rs:
+        if r.ftcore_stats is not None:
+            table[r.layer_number - 1] += r.ftcore_stats.to(table.device)
+            r.ftcore_stats.zero_()
+    table = _world_sum(table).double().cpu()
+    valid = float(state.extra["moe_tokens"][0]) if "moe_tokens" in state.extra else 0.0
+    out = {"aux_loss": float(table[:, moe_routing.LB : moe_routing.Z + 1].sum()) / max(valid, 1.0)}
+    if config.moe_z_loss_coeff is not None:
+        out["z_loss"] = float(table[:, moe_routing.Z].sum()) / max(valid, 1.0)
+    load = table[:, moe_routing.LOAD :]
+    routed = load.sum(dim=1) > 0  # dense layers (model.moe_dense_layers) route nothing
+    if routed.any():
+        per_layer = load[routed].max(dim=1).values / load[routed].mean(dim=1)
+        out["expert_load_max_over_mean"] = float(per_layer.max())
+    return out
