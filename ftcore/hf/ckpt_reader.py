@@ -19,6 +19,7 @@ from ftcore.errors import FtcoreError
 from ftcore.runtime import safe_files
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^(.*mlp\.experts\.)local_experts\.(\d+)\.(.+)$")
 # megatron's local spec saves its norms under Transformer Engine's names
 ALIASES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -61,18 +62,26 @@ class CheckpointReader:
             k: v for k, v in self.md.state_dict_metadata.items() if hasattr(v, "chunks")
         }
 
-    def _key(self, name: str) -> tuple[str, int | None]:
-        """(checkpoint key, layer index or None) of a global parameter name."""
+    def _key(self, name: str) -> tuple[str, list[int]]:
+        """(checkpoint key, indices into its leading axes) of a global parameter name: the layer
+        of a stacked key; a MoE model's layers are saved one key each (megatron stacks only
+        uniform layers), a routed expert's parameters stacked over the global experts."""
         m = _LAYER.match(name)
         layer, rest = (int(m.group(1)), m.group(2)) if m else (None, name)
-        stem = "decoder.layers." if m else ""
+        e = _EXPERT.match(rest)
+        expert = [int(e.group(2))] if e else []
+        rest = f"{e.group(1)}experts.{e.group(3)}" if e else rest
         candidates = [rest] + ([ALIASES[rest]] if rest in ALIASES else [])
         candidates += [k for k, v in ALIASES.items() if v == rest]
+        stems = (
+            [("decoder.layers.", [layer]), (f"decoder.layers.{layer}.", [])] if m else [("", [])]
+        )
         for c in candidates:
-            for prefix in ("module.", ""):
-                key = prefix + stem + c
-                if key in self.tensors:
-                    return key, layer
+            for stem, lead in stems:
+                for prefix in ("module.", ""):
+                    key = prefix + stem + c
+                    if key in self.tensors:
+                        return key, lead + expert
         raise KeyError(name)
 
     def has(self, name: str) -> bool:
@@ -84,10 +93,9 @@ class CheckpointReader:
 
     def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """(full shape of the parameter, dtype) as saved."""
-        key, layer = self._key(name)
+        key, lead = self._key(name)
         md = self.tensors[key]
-        shape = tuple(md.size)[1:] if layer is not None else tuple(md.size)
-        return shape, md.properties.dtype
+        return tuple(md.size)[len(lead) :], md.properties.dtype
 
     def read(self, name: str) -> torch.Tensor:
         """The full tensor of one parameter (one layer's slice of a stacked key)."""
@@ -95,13 +103,13 @@ class CheckpointReader:
         from torch.distributed.checkpoint.planner import LoadPlan
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-        key, layer = self._key(name)
+        key, lead = self._key(name)
         md = self.tensors[key]
         size = tuple(md.size)
         offsets = [0] * len(size)
         sizes = list(size)
-        if layer is not None:
-            offsets[0], sizes[0] = layer, 1
+        for dim, index in enumerate(lead):
+            offsets[dim], sizes[dim] = index, 1
         buf = torch.empty(sizes, dtype=md.properties.dtype)
         chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
         items = create_read_items_for_chunk_list(key, md, [chunk])
@@ -112,4 +120,4 @@ class CheckpointReader:
         plan = self.reader.prepare_local_plan(LoadPlan(items))
         plan = self.reader.prepare_global_plan([plan])[0]
         self.reader.read_data(plan, _Targets({key: buf})).wait()
-        return buf[0] if layer is not None else buf
+        return buf.reshape(size[len(lead) :])

@@ -16,7 +16,6 @@ GEMM; adapters there are refused before the build (peft/moe_format.py).
 
 from __future__ import annotations
 
-import re
 import types
 
 import torch
@@ -31,40 +30,19 @@ from torch import nn
 from ftcore.peft.config import Geometry
 from ftcore.peft.layers import LoraParallelLinear, add_column, device_of
 
-_LOCAL = re.compile(r"\.experts\.local_experts\.(\d+)\.")
-
 
 def is_moe_layer(mlp: nn.Module) -> bool:
     return hasattr(mlp, "router") and hasattr(mlp, "experts")
 
 
-def expert_offset(experts: nn.Module) -> int:
-    """The global index of this rank's first local expert."""
-    return experts.ep_group.rank() * experts.num_local_experts
-
-
-def global_expert_name(name: str, offsets: dict[int, int]) -> str:
-    """`...experts.local_experts.<local k>...` -> the global expert index (offsets: layer -> first
-    global expert of this rank); names of other parameters pass through."""
-    m = _LOCAL.search(name)
-    if m is None:
-        return name
-    layer = int(name.split(".")[2])
-    return f"{name[: m.start()]}.experts.local_experts.{offsets[layer] + int(m.group(1))}.{name[m.end() :]}"
-
-
 def adapter_params(chunks):
-    """(global name, parameter) of this rank's adapters, experts under their global index."""
-    from ftcore.models.sharding import iter_params, unwrap
+    """(global name, parameter) of this rank's adapters; experts under their global index
+    (models/sharding.py names them so)."""
+    from ftcore.models.sharding import iter_params
 
-    offsets = {}
-    for chunk in chunks:
-        for layer in unwrap(chunk).decoder.layers:
-            if is_moe_layer(layer.mlp):
-                offsets[layer.layer_number - 1] = expert_offset(layer.mlp.experts)
     for name, p in iter_params(chunks):
         if ".lora_" in name:
-            yield global_expert_name(name, offsets), p
+            yield name, p
 
 
 def shard_group_of(p) -> tuple[int, int]:

@@ -104,6 +104,13 @@ def check_moe_targets(cfg, targets, plan: dict) -> None:
             fix="peft=lora (bf16 experts; plan with ep to fit them)",
         )  # fmt: skip
     fc1 = set(plan.get("linear_fc1", {}))
+    device = (cfg.get("cluster") or {}).get("device", "cpu")
+    if (fc1 or "linear_fc2" in plan) and device != "cpu":
+        raise FtcoreError(
+            "LoRA on the experts runs on megatron's SequentialMLP (the CPU spec); the GPU spec's "
+            "grouped experts (TEGroupedMLP, one grouped GEMM for all experts) have no adapters yet",
+            field=field, fix="on GPU target attention and the router (q_proj,k_proj,v_proj,o_proj,gate)",
+        )  # fmt: skip
     if len(fc1) == 1:
         raise FtcoreError(
             f"{next(iter(fc1))} without {({'gate_proj', 'up_proj'} - fc1).pop()}: transformers 5 fuses "
