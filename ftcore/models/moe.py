@@ -6,8 +6,9 @@ Routing as transformers does it: Qwen3-MoE takes the softmax over all experts, t
 renormalised when `norm_topk_prob`; Mixtral the top k, then the softmax over those (the same
 renormalised numbers). megatron's router with `moe_router_pre_softmax=False` is the latter (the
 top k of the logits are the top k of the softmax), with True the former without renormalising.
-Experts: SequentialMLP (one megatron MLP per local expert) on CPU, TEGroupedMLP and the fused
-permutation on GPU, as Megatron-Bridge's Qwen3-MoE recipes run them.
+Experts: SequentialMLP (one megatron MLP per local expert) on CPU (and wherever megatron's local
+layers are built: QLoRA, precision.te_layers=false, the dry build without TE), TEGroupedMLP and
+TE's fused permutation on GPU with TE, as Megatron-Bridge's Qwen3-MoE recipes run them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ def transformer_kwargs(cfg: DictConfig, *, on_cpu: bool) -> dict:
     if not is_moe(m):
         return {}
     moe = cfg.get("moe") or {}
-    grouped = not on_cpu
+    from ftcore.precision import recipes
+
+    grouped = not on_cpu and recipes.use_te(cfg)  # TEGroupedMLP and TE's fused permutation
     return dict(
         num_moe_experts=int(m.num_experts),
         moe_ffn_hidden_size=int(m.moe_ffn_hidden_size or m.ffn_hidden_size),
