@@ -6,6 +6,11 @@ shape and the chunks each rank saved. Model keys are layout-independent: `module
 name, with the layers of the decoder stacked on a leading axis (`module.decoder.layers.mlp.
 linear_fc1.weight` is [num_layers, 2*ffn, hidden]; fc1's saved global layout is [gate; up]). A read
 names a region (offsets, sizes) and DCP's own resharding picks the chunks that cover it.
+
+A model whose layers differ (MoE with dense layers) is saved per layer (`decoder.layers.<i>.`),
+not stacked; a MoE layer's routed experts are one key with a leading expert axis
+(`...mlp.experts.experts.linear_fc1.weight` is [num_experts, 2*moe_ffn, hidden], whichever EP rank
+saved each), read one expert at a time.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from ftcore.errors import FtcoreError
 from ftcore.runtime import safe_files
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^(.*mlp\.experts\.)local_experts\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 # megatron's local spec saves its norms under Transformer Engine's names
 ALIASES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -62,26 +67,26 @@ class CheckpointReader:
             k: v for k, v in self.md.state_dict_metadata.items() if hasattr(v, "chunks")
         }
 
-    def _key(self, name: str) -> tuple[str, list[int]]:
-        """(checkpoint key, indices into its leading axes) of a global parameter name: the layer
-        of a stacked key; a MoE model's layers are saved one key each (megatron stacks only
-        uniform layers), a routed expert's parameters stacked over the global experts."""
+    def _key(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(checkpoint key, indices along its leading axes) of a global parameter name: the layer
+        of a stacked key, the expert of an experts key."""
         m = _LAYER.match(name)
         layer, rest = (int(m.group(1)), m.group(2)) if m else (None, name)
-        e = _EXPERT.match(rest)
-        expert = [int(e.group(2))] if e else []
-        rest = f"{e.group(1)}experts.{e.group(3)}" if e else rest
+        e = _EXPERT.match(rest) if m else None
+        lead: tuple[int, ...] = (int(e.group(1)),) if e else ()
+        if e:
+            rest = "mlp.experts.experts." + e.group(2)
         candidates = [rest] + ([ALIASES[rest]] if rest in ALIASES else [])
         candidates += [k for k, v in ALIASES.items() if v == rest]
         stems = (
-            [("decoder.layers.", [layer]), (f"decoder.layers.{layer}.", [])] if m else [("", [])]
+            [("decoder.layers.", (layer,)), (f"decoder.layers.{layer}.", ())] if m else [("", ())]
         )
         for c in candidates:
-            for stem, lead in stems:
+            for stem, at in stems:
                 for prefix in ("module.", ""):
                     key = prefix + stem + c
                     if key in self.tensors:
-                        return key, lead + expert
+                        return key, at + lead
         raise KeyError(name)
 
     def has(self, name: str) -> bool:
@@ -98,7 +103,7 @@ class CheckpointReader:
         return tuple(md.size)[len(lead) :], md.properties.dtype
 
     def read(self, name: str) -> torch.Tensor:
-        """The full tensor of one parameter (one layer's slice of a stacked key)."""
+        """The full tensor of one parameter (one layer's / expert's slice of a stacked key)."""
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         from torch.distributed.checkpoint.planner import LoadPlan
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -108,8 +113,8 @@ class CheckpointReader:
         size = tuple(md.size)
         offsets = [0] * len(size)
         sizes = list(size)
-        for dim, index in enumerate(lead):
-            offsets[dim], sizes[dim] = index, 1
+        for axis, index in enumerate(lead):
+            offsets[axis], sizes[axis] = index, 1
         buf = torch.empty(sizes, dtype=md.properties.dtype)
         chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
         items = create_read_items_for_chunk_list(key, md, [chunk])

@@ -5,7 +5,8 @@ on the eval data as `ftcore.eval` reads it): `ftcore.eval` at ep=1, ep=2, ep=2 x
 ep=2 x pp=2 gives it to 1e-5 relative. The tiny checkpoints (tests/support/moe.py) have four
 experts, top-2, and for Qwen3-MoE a dense layer between two sparse ones, so each pipeline stage of
 pp=2 holds a different mix. The live export at ep=1 and at ep=2 (each EP rank writing its own
-experts) is bit-identical to what transformers saved and loads back as the same model.
+experts) and the export of an ep=2 checkpoint in one process are bit-identical to what transformers
+saved and load back as the same model.
 """
 
 from __future__ import annotations
@@ -74,11 +75,19 @@ def test_ep1_eval_and_export(family, pool1, built, tmp_path):
 @pytest.mark.dist
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_ep2_eval_and_export(family, pool2, built, tmp_path):
+    """Also a checkpoint of ep=2 (each EP rank saving its experts) exported in one process (the
+    `python -m ftcore.export` path), bit-identical too."""
+    from ftcore.export import resolve_step_dir, run_config
+    from ftcore.hf.export import export_checkpoint
+
     ref = built(family)
     res = pool2.run(load_case, ref["path"], str(tmp_path), ["parallel.ep=2"], ref["x"], ref["data"],
-                    export=True)  # fmt: skip
+                    export=True, save=True)  # fmt: skip
     check_against_hf(res, ref, f"{family} ep2", RTOL)
     _bit_identical(tmp_path / "hf_model", ref, f"{family} ep2")
+    step = resolve_step_dir(str(tmp_path))
+    out = export_checkpoint(step, run_config(step), tmp_path / "exported", max_shard_gb=0.0002)
+    _bit_identical(out, ref, f"{family} ep2 checkpoint")
 
 
 @pytest.mark.dist
