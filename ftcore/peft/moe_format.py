@@ -104,12 +104,16 @@ def check_moe_targets(cfg, targets, plan: dict) -> None:
             fix="peft=lora (bf16 experts; plan with ep to fit them)",
         )  # fmt: skip
     fc1 = set(plan.get("linear_fc1", {}))
-    device = (cfg.get("cluster") or {}).get("device", "cpu")
-    if (fc1 or "linear_fc2" in plan) and device != "cpu":
+    grouped = (cfg.get("cluster") or {}).get("device", "cpu") != "cpu" and (
+        cfg.precision.get("te_layers", True)
+    )
+    if (fc1 or "linear_fc2" in plan) and grouped:
         raise FtcoreError(
-            "LoRA on the experts runs on megatron's SequentialMLP (the CPU spec); the GPU spec's "
-            "grouped experts (TEGroupedMLP, one grouped GEMM for all experts) have no adapters yet",
-            field=field, fix="on GPU target attention and the router (q_proj,k_proj,v_proj,o_proj,gate)",
+            "LoRA on the experts runs on megatron's SequentialMLP (local layers); Transformer "
+            "Engine's grouped experts (TEGroupedMLP, one grouped GEMM for all experts) take no "
+            "adapters yet", field=field,
+            fix="precision.te_layers=false (SequentialMLP experts on GPU), or target attention "
+                "and the router only (q_proj,k_proj,v_proj,o_proj,gate)",
         )  # fmt: skip
     if len(fc1) == 1:
         raise FtcoreError(

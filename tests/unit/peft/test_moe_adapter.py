@@ -72,7 +72,7 @@ def test_peft_applies_what_ftcore_writes(family, tmp_path):
     from peft import PeftModel
 
     base = make_tiny_moe(tmp_path / "base", family)
-    full = our_adapters(GEO[family], 3, DENSE[family], shared=family == "mixtral")
+    full = our_adapters(GEO[family], 4, DENSE[family], shared=family == "mixtral")
     sd, targets = to_peft(full, family)
     if family == "mixtral":  # the published per-expert names, w1/w3/w2 in block_sparse_moe
         assert "base_model.model.model.layers.0.block_sparse_moe.experts.3.w3.lora_B.weight" in sd
@@ -147,3 +147,16 @@ def test_router_on_a_dense_model_is_refused():
     cfg.model.num_experts = None
     with pytest.raises(FtcoreError, match="dense"):
         check_config(cfg)
+
+
+def test_experts_on_te_grouped_gemm_are_refused():
+    cfg = _cfg()
+    cfg.cluster = {"device": "cuda"}
+    with pytest.raises(FtcoreError, match="TEGroupedMLP") as e:
+        check_config(cfg)
+    assert "te_layers=false" in e.value.fix
+    cfg.peft.target_modules = ["q_proj", "gate"]  # attention and the router: no grouped GEMM
+    check_config(cfg)
+    cfg.peft.target_modules = ["down_proj"]
+    cfg.precision.te_layers = False  # SequentialMLP on GPU
+    check_config(cfg)
