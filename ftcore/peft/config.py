@@ -190,11 +190,13 @@ def adapter_shapes(path) -> dict[str, tuple[int, ...]]:
 
 def check_adapter_fits(adapter_dir, model_cfg) -> None:
     """Refuse an adapter whose tensors do not fit the model (another base) before anything is built."""
+    from ftcore.peft.moe_format import check_expert_shapes
+
     config = read_adapter_config(str(adapter_dir))
     geo, r = geometry(model_cfg), int(config["r"])
-    for (layer, mod, ab), shape in by_module(
-        adapter_shapes(adapter_dir), "peft.adapter_path"
-    ).items():
+    shapes = adapter_shapes(adapter_dir)
+    check_expert_shapes(adapter_dir, shapes, model_cfg, geo.expert(), r)
+    for (layer, mod, ab), shape in by_module(shapes, "peft.adapter_path").items():
         out, inp = geo.out_in(mod)
         want = (r, inp) if ab == "A" else (out, r)
         if layer >= model_cfg.num_layers or shape != want:

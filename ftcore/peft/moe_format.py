@@ -82,6 +82,24 @@ def by_expert(sd: dict, field: str) -> dict[tuple[int, int, str, str], object]:
     return out
 
 
+def check_expert_shapes(adapter_dir, shapes: dict, model_cfg, egeo, r: int) -> None:
+    """Refuse expert tensors that do not fit the model (another base: layers, experts, shapes), and
+    PEFT's fused-expert layout, before anything is built. egeo: one expert's Geometry."""
+    experts = int(getattr(model_cfg, "num_experts", None) or 0)
+    dense = set(getattr(model_cfg, "moe_dense_layers", None) or [])
+    for (layer, k, s, ab), shape in by_expert(shapes, "peft.adapter_path").items():
+        out, inp = egeo.out_in(s)
+        want = (r, inp) if ab == "A" else (out, r)
+        fits = layer < model_cfg.num_layers and layer not in dense and k < experts
+        if not fits or tuple(shape) != want:
+            raise FtcoreError(
+                f"{adapter_dir}: layers.{layer}.experts.{k}.{s}.lora_{ab} has shape {tuple(shape)}; "
+                f"this model ({model_cfg.num_layers} layers, {experts} experts) needs "
+                f"{want if fits else 'no such expert'}: the adapter was trained on another base",
+                field="peft.adapter_path", fix="use the adapter with the base model it was trained on",
+            )  # fmt: skip
+
+
 def is_expert_key(k: str) -> bool:
     return bool(PEFT_EXPERT_KEY.search(k) or PEFT_FUSED_KEY.search(k))
 

@@ -160,3 +160,33 @@ def test_experts_on_te_grouped_gemm_are_refused():
     cfg.peft.target_modules = ["down_proj"]
     cfg.precision.te_layers = False  # SequentialMLP on GPU
     check_config(cfg)
+
+
+def test_adapter_of_another_base_or_fused_layout_refused_before_build(tmp_path):
+    """peft.adapter_path: expert tensors of another shape, experts the model lacks, and PEFT's
+    fused transformers-5 layout are refused by the config checks (nothing built)."""
+    from safetensors.torch import save_file
+
+    from ftcore.peft.adapter_config import write_adapter_config
+
+    pre = "base_model.model.model.layers.0.mlp.experts."
+    cases = {
+        "shape": {pre + "1.down_proj.lora_A.weight": torch.zeros(R, 47)},
+        "expert": {pre + "4.down_proj.lora_A.weight": torch.zeros(R, 48)},
+        "fused": {pre + "base_layer.lora_A.weight": torch.zeros(4 * 2 * R, 64)},
+    }
+    for name, sd in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        save_file(sd, str(d / "adapter_model.safetensors"))
+        write_adapter_config(
+            d, LoraSettings(R, ALPHA, 0.0, ("down_proj",), False), ["down_proj"], None
+        )
+        cfg = _cfg(adapter_path=str(d))
+        cfg.model.update({"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96,
+                          "moe_ffn_hidden_size": 48, "num_attention_heads": 4,
+                          "num_query_groups": 2, "kv_channels": 16})  # fmt: skip
+        with pytest.raises(FtcoreError) as e:
+            check_config(cfg)
+        assert e.value.field == "peft.adapter_path", name
+        assert ("fused" in str(e.value)) == (name == "fused"), name
