@@ -90,11 +90,55 @@ def test_ep2_eval_and_export(family, pool2, built, tmp_path):
     _bit_identical(out, ref, f"{family} ep2 checkpoint")
 
 
+def eval_case(hf_dir: str, run_dir: str, overrides: list[str], x: torch.Tensor, data: str) -> dict:
+    """Worker: the run `ftcore.eval` builds (setup's kind "eval": at tp > 1 megatron's MoE layer
+    needs no sequence parallelism outside training), its logits and its evaluation."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from ftcore.eval import evaluate
+    from ftcore.training import trainer
+    from tests.support.hf_helpers import compose_hf, forward_logits
+
+    cfg = compose_hf(hf_dir, run_dir, list(overrides) + [f"data.path={data}"])
+    state = trainer.setup(cfg, data=False, kind="eval")
+    logits = forward_logits(state, x)
+    return {"logits": logits if ps.get_tensor_model_parallel_rank() == 0 else None,
+            "rank": dist.get_rank(), "eval": evaluate(state.cfg, state)}  # fmt: skip
+
+
+def reads_case(*args) -> dict:
+    """Worker: eval_case, recording which experts' HF tensors this rank read."""
+    import re
+
+    from megatron.core import parallel_state as ps
+
+    from ftcore.hf.io import SafetensorsDir
+
+    read, experts = SafetensorsDir.read, set()
+
+    def recording(self, piece):
+        m = re.search(r"experts\.(\d+)\.", piece.hf or "")
+        if m:
+            experts.add(int(m.group(1)))
+        return read(self, piece)
+
+    SafetensorsDir.read = recording
+    try:
+        out = eval_case(*args)
+    finally:
+        SafetensorsDir.read = read
+    return {**out, "experts": experts, "ep_rank": ps.get_expert_model_parallel_rank()}
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 @pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"]], ids=["tp2", "pp2"])
 def test_ep2_with_tp_or_pp_eval(family, layout, pool4, built, tmp_path):
+    """Each rank reads only its own experts' tensors (EP rank r: experts 2r, 2r+1)."""
     ref = built(family)
-    res = pool4.run(load_case, ref["path"], str(tmp_path), ["parallel.ep=2"] + layout, ref["x"],
+    res = pool4.run(reads_case, ref["path"], str(tmp_path), ["parallel.ep=2"] + layout, ref["x"],
                     ref["data"])  # fmt: skip
     check_against_hf(res, ref, f"{family} ep2 x {layout[0]}", RTOL)
+    for r in res:
+        assert r["experts"] == {2 * r["ep_rank"], 2 * r["ep_rank"] + 1}, (r["rank"], r["experts"])
