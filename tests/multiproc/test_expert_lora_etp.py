@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-H, I, R, S, N = 16, 12, 2, 1.5, 5  # hidden, expert ffn, rank, scale, tokens
+H, FF, R, S, N = 16, 12, 2, 1.5, 5  # hidden, expert ffn, rank, scale, tokens
 
 
 def _etp_case() -> dict:
@@ -27,8 +27,8 @@ def _etp_case() -> dict:
     ps.initialize_model_parallel(expert_tensor_parallel_size=2)
     group, rank = ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_rank()
     config = TransformerConfig(
-        num_layers=1, hidden_size=H, ffn_hidden_size=I, num_attention_heads=4, num_moe_experts=2,
-        moe_ffn_hidden_size=I, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        num_layers=1, hidden_size=H, ffn_hidden_size=FF, num_attention_heads=4, num_moe_experts=2,
+        moe_ffn_hidden_size=FF, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         expert_tensor_parallel_size=2, use_cpu_initialization=True, gradient_accumulation_fusion=False,
     )  # fmt: skip
     g = torch.Generator().manual_seed(0)
@@ -36,21 +36,21 @@ def _etp_case() -> dict:
     def rnd(*shape):
         return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
 
-    w1, w2, x, gout = rnd(2 * I, H), rnd(H, I), rnd(N, H), rnd(N, H)
-    full = {"fc1.A.gate_proj": rnd(R, H), "fc1.A.up_proj": rnd(R, H), "fc1.B.gate_proj": rnd(I, R),
-            "fc1.B.up_proj": rnd(I, R), "fc2.A.down_proj": rnd(R, I), "fc2.B.down_proj": rnd(H, R)}  # fmt: skip
+    w1, w2, x, gout = rnd(2 * FF, H), rnd(H, FF), rnd(N, H), rnd(N, H)
+    full = {"fc1.A.gate_proj": rnd(R, H), "fc1.A.up_proj": rnd(R, H), "fc1.B.gate_proj": rnd(FF, R),
+            "fc1.B.up_proj": rnd(FF, R), "fc2.A.down_proj": rnd(R, FF), "fc2.B.down_proj": rnd(H, R)}  # fmt: skip
     # plain torch on full tensors: the reference
     ref = {k: t.clone().requires_grad_(True) for k, t in full.items()}
     d = {s: S * ref[f"fc1.B.{s}"] @ ref[f"fc1.A.{s}"] for s in ("gate_proj", "up_proj")}
-    gate, up = (x @ (w1[:I] + d["gate_proj"]).T), (x @ (w1[I:] + d["up_proj"]).T)
+    gate, up = (x @ (w1[:FF] + d["gate_proj"]).T), (x @ (w1[FF:] + d["up_proj"]).T)
     y = (F.silu(gate) * up) @ (w2 + S * ref["fc2.B.down_proj"] @ ref["fc2.A.down_proj"]).T
     (y * gout).sum().backward()
 
     # megatron's expert MLP, each rank its etp shard, adapters wrapped as apply_peft does
     subs = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    mlp = MLP(config, subs, ffn_hidden_size=I, is_expert=True, tp_group=group)
+    mlp = MLP(config, subs, ffn_hidden_size=FF, is_expert=True, tp_group=group)
     with torch.no_grad():
-        mlp.linear_fc1.weight.copy_(torch.cat([w1[:I].chunk(2)[rank], w1[I:].chunk(2)[rank]]))
+        mlp.linear_fc1.weight.copy_(torch.cat([w1[:FF].chunk(2)[rank], w1[FF:].chunk(2)[rank]]))
         mlp.linear_fc2.weight.copy_(w2.chunk(2, dim=1)[rank])
     for p in mlp.parameters():
         p.requires_grad_(False)
@@ -62,7 +62,7 @@ def _etp_case() -> dict:
             self.experts.local_experts = torch.nn.ModuleList([mlp])
 
     plan = plan_targets(["gate_proj", "up_proj", "down_proj"])
-    geo = Geometry(H, 4 * I, 4, 2, 4, 2, I)
+    geo = Geometry(H, 4 * FF, 4, 2, 4, 2, FF)
     wrap_experts(Holder(), plan, geo=geo, r=R, scale=S, dropout=0.0, dtype=torch.float32)
     ours = {}
     for short, lin in (("fc1", mlp.linear_fc1), ("fc2", mlp.linear_fc2)):
