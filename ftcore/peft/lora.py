@@ -144,9 +144,7 @@ def count_params(cfg: DictConfig, chunks: list) -> tuple[int, int]:
     trainable = total = 0
     vocab = unwrap(chunks[0]).vocab_size_unpadded
     for name, p in iter_params(chunks):
-        if (
-            ".local_experts." in name
-        ):  # each expert once: expert-DP rank 0, etp rank 0 if replicated
+        if ".local_experts." in name:  # once: expert-DP rank 0, etp rank 0 if replicated
             if ps.get_expert_data_parallel_rank() != 0 or (
                 not getattr(p, "tensor_model_parallel", False)
                 and ps.get_expert_tensor_parallel_rank() != 0

@@ -32,12 +32,14 @@ def train_case(hf_dir: str, run_dir: str, layout: list[str], data: str, save: bo
     from ftcore.eval import evaluate
     from ftcore.hf.export import write_hf_model
     from ftcore.peft.adapter_format import write_hf_adapter
+    from ftcore.peft.lora import count_params
     from ftcore.peft.merge import live_merge_transform
     from ftcore.training import trainer
     from tests.support.layouts import SyntheticLoader
 
     cfg = compose_hf(hf_dir, run_dir, LORA + layout + [f"data.path={data}"])
     state = trainer.setup(cfg, data=False)
+    counts = count_params(state.cfg, state.model)
     state.loader = SyntheticLoader(cfg, ps.get_data_parallel_rank(), state.dp, 2048)
     for _ in range(STEPS):
         trainer.train_step(state)
@@ -50,7 +52,7 @@ def train_case(hf_dir: str, run_dir: str, layout: list[str], data: str, save: bo
         state, transform=live_merge_transform(state), out=Path(run_dir) / "merged"
     )
     return {"adapter": str(adapter) if adapter else None, "merged": str(merged),
-            "eval": evaluate(state.cfg, state)}  # fmt: skip
+            "eval": evaluate(state.cfg, state), "counts": counts}  # fmt: skip
 
 
 def eval_case(hf_dir: str, run_dir: str, layout: list[str], data: str, adapter: str) -> dict:
@@ -126,6 +128,11 @@ def test_ep2_adapter_loads_in_peft(pool2, tiny, ep2, tmp_path):
     plain = text_loss(hf_moe(base), tok, data)
     assert abs(plain - want) > 1e-3 * want, "the adapter changed nothing: the test proves nothing"
     _close(ep2["trained"][0]["eval"]["loss"], want, "the trained model at ep=2 vs PEFT")
+    from safetensors import safe_open
+
+    with safe_open(str(Path(ep2["adapter"]) / "adapter_model.safetensors"), "pt") as f:
+        numel = sum(torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys())
+    assert ep2["trained"][0]["counts"][0] == numel  # every expert's adapter counted once
     got = pool2.run(
         eval_case, base, str(tmp_path / "eval"), ["parallel.ep=2"], data, ep2["adapter"]
     )
