@@ -55,7 +55,9 @@ DEFAULTS = {
 }
 
 
-def lora_config(s: LoraSettings, targets: list[str], base: str | None) -> dict:
+def lora_config(
+    s: LoraSettings, targets: list[str], base: str | None, target_parameters=None
+) -> dict:
     """The dict `LoraConfig(r=, lora_alpha=, lora_dropout=, target_modules=, use_rslora=,
     bias="none", task_type="CAUSAL_LM", base_model_name_or_path=).to_dict()` gives, with the
     target modules as a list in the order given (PEFT keeps a set: its order varies by process)."""
@@ -70,11 +72,15 @@ def lora_config(s: LoraSettings, targets: list[str], base: str | None) -> dict:
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base,
         "peft_version": PEFT_VERSION,
+        "target_parameters": target_parameters,  # a MoE's dense MLPs (peft/moe_format.py)
     }
 
 
-def write_adapter_config(directory, s: LoraSettings, targets: list[str], base: str | None) -> Path:
+def write_adapter_config(
+    directory, s: LoraSettings, targets: list[str], base: str | None, target_parameters=None
+) -> Path:
     """`<directory>/adapter_config.json`, byte for byte as PEFT writes it (up to target order)."""
     path = Path(directory) / CONFIG_FILE
-    path.write_text(json.dumps(lora_config(s, targets, base), indent=2, sort_keys=True))
+    config = lora_config(s, targets, base, target_parameters)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True))
     return path

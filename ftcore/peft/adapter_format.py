@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from ftcore.errors import FtcoreError
 from ftcore.hf.io import weights_source
-from ftcore.models.sharding import iter_params, join_shards, shard_info, take_shard
+from ftcore.models.sharding import join_shards, shard_info, take_shard
+from ftcore.peft import moe_format
 from ftcore.peft.adapter_config import write_adapter_config
 from ftcore.peft.config import (
     ADAPTER_FILE,
@@ -34,17 +35,20 @@ from ftcore.peft.config import (
     read_adapter_config,
     settings,
 )
+from ftcore.peft.experts import adapter_params, shard_group_of
 from ftcore.runtime import dist as rdist
 
 log = logging.getLogger("ftcore")
 
 # one of our adapter tensors: (layer, megatron linear, A|B, key)
 OUR_KEY = re.compile(
-    r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(linear_\w+)\.lora_([AB])\.(\w+)$"
+    r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(linear_\w+|router)\.lora_([AB])\.(\w+)$"
 )
 
 
-def hf_key(layer: int, hf_module: str, ab: str) -> str:
+def hf_key(layer: int, hf_module: str, ab: str, family: str = "llama") -> str:
+    if hf_module == "gate":  # a MoE router: Mixtral's sits in block_sparse_moe
+        return moe_format.hf_router_key(family, layer, ab)
     return (
         f"base_model.model.model.layers.{layer}.{HF_PARENT[hf_module]}.{hf_module}.lora_{ab}.weight"
     )
@@ -54,15 +58,17 @@ def gather_full(chunks, *, everywhere: bool = False) -> dict[str, torch.Tensor] 
     """Full adapter tensors by global name, on world rank 0 (None elsewhere) or, with
     `everywhere`, on every rank. Collective: every TP shard is gathered (not only TP rank 0's),
     and every pipeline stage contributes its layers."""
-    tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
-    lead = (
+    dense_lead = (
         ps.get_tensor_model_parallel_rank() == 0
         and ps.get_data_parallel_rank(with_context_parallel=True) == 0
     )
     mine = {}
-    for name, p in iter_params(chunks):
-        if ".lora_" not in name:
-            continue
+    for name, p in adapter_params(chunks):
+        tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+        lead = dense_lead
+        if hasattr(p, "shard_tp"):  # an expert's: sharded over etp, replicated over expert DP
+            tp, group = p.shard_tp, p.shard_group
+            lead = p.shard_group.rank() == 0 and ps.get_expert_data_parallel_rank() == 0
         data = p.detach().to(rdist.comm_device(), torch.float32).contiguous()
         shards = [data]
         if tp > 1:
@@ -86,11 +92,23 @@ def gather_full(chunks, *, everywhere: bool = False) -> dict[str, torch.Tensor] 
     return out
 
 
-def to_peft(full: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Our global names -> PEFT keys; returns (state dict, HF target modules in canonical order)."""
+def to_peft(
+    full: dict[str, torch.Tensor], family: str = "llama"
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Our global names -> PEFT keys; returns (state dict, HF target modules in canonical order).
+    Experts' adapters take the family's per-expert keys (peft/moe_format.py)."""
     a_of: dict[tuple[int, str], torch.Tensor] = {}
     b_of: dict[tuple[int, str], torch.Tensor] = {}
+    sd, targets = {}, set()
     for name, t in full.items():
+        e = moe_format.OUR_EXPERT_KEY.match(name)
+        if e is not None:
+            layer, k, module, ab, key = int(e[1]), int(e[2]), e[3], e[4], e[5]
+            slices = SLICES[module] if key == module else (key,)
+            for s in slices if ab == "A" else (key,):
+                sd[moe_format.hf_expert_key(family, layer, k, s, ab)] = t.contiguous().clone()
+                targets.add(s)
+            continue
         m = OUR_KEY.match(name)
         if m is None:
             raise ValueError(f"not an adapter tensor: {name}")
@@ -100,10 +118,9 @@ def to_peft(full: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], lis
                 a_of[(layer, s)] = t
         else:
             b_of[(layer, key)] = t
-    sd, targets = {}, set()
     for (layer, s), b in b_of.items():
-        sd[hf_key(layer, s, "A")] = a_of[(layer, s)].contiguous().clone()
-        sd[hf_key(layer, s, "B")] = b.contiguous()
+        sd[hf_key(layer, s, "A", family)] = a_of[(layer, s)].contiguous().clone()
+        sd[hf_key(layer, s, "B", family)] = b.contiguous()
         targets.add(s)
     order = [s for slices in SLICES.values() for s in slices]
     return sd, sorted(targets, key=order.index)
@@ -131,15 +148,26 @@ def base_reference(cfg) -> str | None:
 
 
 def save_adapter(
-    out_dir: Path, sd: dict[str, torch.Tensor], s: LoraSettings, targets: list[str], base
+    out_dir: Path,
+    sd: dict[str, torch.Tensor],
+    s: LoraSettings,
+    targets: list[str],
+    base,
+    model_cfg=None,
 ) -> None:
-    """Write a PEFT adapter directory atomically (a temporary name, then rename)."""
+    """Write a PEFT adapter directory atomically (a temporary name, then rename); `model_cfg` of a
+    mixture of experts names the targets as PEFT needs them there (peft/moe_format.py)."""
+    params = None
+    if model_cfg is not None and moe_format.is_moe(model_cfg):
+        targets, params = moe_format.peft_targets(
+            model_cfg.family, targets, list(model_cfg.moe_dense_layers)
+        )
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(sd, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
-    write_adapter_config(tmp, s, targets, base)  # PEFT's file, without importing peft
+    write_adapter_config(tmp, s, targets, base, params)  # PEFT's file, without importing peft
     with_umask(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
@@ -153,8 +181,8 @@ def write_hf_adapter(state) -> Path | None:
     if full is None:
         return None
     out = Path(state.run_dir) / "hf_adapter"
-    sd, targets = to_peft(full)
-    save_adapter(out, sd, s, targets, base_reference(cfg))
+    sd, targets = to_peft(full, cfg.model.family)
+    save_adapter(out, sd, s, targets, base_reference(cfg), cfg.model)
     log.info("wrote the adapter (%d tensors, PEFT format) to %s", len(sd), out)
     return out
 
@@ -181,13 +209,18 @@ def load_hf_adapter(chunks, s: LoraSettings, cfg) -> None:
             f"the adapter has layers up to {max(layers)} but the model has {cfg.model.num_layers}: "
             "it was trained on another base", field=field, fix="use the adapter with its own base model",
         )  # fmt: skip
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    for name, p in iter_params(chunks):
-        m = OUR_KEY.match(name)
-        if m is None:
+    experts = moe_format.by_expert(sd, field)
+    for name, p in adapter_params(chunks):
+        tp, tp_rank = shard_group_of(p)
+        e, m = moe_format.OUR_EXPERT_KEY.match(name), OUR_KEY.match(name)
+        if e is not None:
+            layer, ab, key = int(e[1]), e[4], e[5]
+            full = experts.get((layer, int(e[2]), key, ab))
+        elif m is not None:
+            layer, ab, key = int(m.group(1)), m.group(3), m.group(4)
+            full = tensors.get((layer, key, ab))
+        else:
             continue
-        layer, ab, key = int(m.group(1)), m.group(3), m.group(4)
-        full = tensors.get((layer, key, ab))
         info = shard_info(name, p, tp)
         if full is None:
             raise FtcoreError(f"the adapter has no lora_{ab} for layer {layer} {key}", field=field,

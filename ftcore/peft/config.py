@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -21,6 +21,7 @@ SLICES = {
     "linear_proj": ("o_proj",),
     "linear_fc1": ("gate_proj", "up_proj"),
     "linear_fc2": ("down_proj",),
+    "router": ("gate",),  # a MoE layer's router (HF `mlp.gate`); frozen unless targeted
 }
 COLUMN = ("linear_qkv", "linear_fc1")
 
@@ -30,12 +31,13 @@ PARENT = {
     "linear_proj": "self_attention",
     "linear_fc1": "mlp",
     "linear_fc2": "mlp",
+    "router": "mlp",
 }
 HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "gate": "mlp"}  # fmt: skip
 # a PEFT adapter key: base_model.model.model.layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight
 PEFT_KEY = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$"
+    r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp|block_sparse_moe)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$"
 )
 ADAPTER_FILE, CONFIG_FILE = "adapter_model.safetensors", "adapter_config.json"
 LEGACY_ADAPTER_FILE = "adapter_model.bin"
@@ -70,19 +72,26 @@ class Geometry:
     heads: int
     groups: int  # kv heads
     head_dim: int
+    experts: int = 0  # a mixture of experts: experts per MoE layer (the router's outputs)
+    moe_ffn: int = 0  # and each expert's ffn size
 
     @classmethod
     def of(cls, config) -> Geometry:
         """From megatron's TransformerConfig."""
         return cls(config.hidden_size, config.ffn_hidden_size, config.num_attention_heads,
-                   config.num_query_groups, config.kv_channels)  # fmt: skip
+                   config.num_query_groups, config.kv_channels, config.num_moe_experts or 0,
+                   config.moe_ffn_hidden_size or 0)  # fmt: skip
+
+    def expert(self) -> Geometry:
+        """One expert's MLP: the shapes of gate/up/down_proj are those of moe_ffn."""
+        return replace(self, ffn=self.moe_ffn)
 
     def out_in(self, hf_name: str) -> tuple[int, int]:
         """(out, in) features of one slice, full size, as the Hugging Face module has them."""
         h, f, q, kv = self.hidden, self.ffn, self.heads * self.head_dim, self.groups * self.head_dim
         return {
             "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
+            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f), "gate": (self.experts, h),
         }[hf_name]  # fmt: skip
 
 
@@ -90,7 +99,8 @@ def geometry(model_cfg) -> Geometry:
     """From the config's `model` section."""
     m = model_cfg
     return Geometry(m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups,
-                    m.kv_channels or m.hidden_size // m.num_attention_heads)  # fmt: skip
+                    m.kv_channels or m.hidden_size // m.num_attention_heads,
+                    getattr(m, "num_experts", None) or 0, getattr(m, "moe_ffn_hidden_size", None) or 0)  # fmt: skip
 
 
 def plan_targets(targets) -> dict[str, dict[str, str]]:
@@ -151,8 +161,12 @@ def adapter_file(path) -> Path:
 def by_module(sd: dict, field: str) -> dict[tuple[int, str, str], object]:
     """{(layer, hf module, A|B): value} of a dict keyed by PEFT keys (tensors or shapes); refuses
     what ftcore cannot load."""
+    from ftcore.peft.moe_format import is_expert_key  # the experts' keys: moe_format.by_expert
+
     out = {}
     for k, t in sd.items():
+        if is_expert_key(k):
+            continue
         m = PEFT_KEY.search(k)
         if m is None or m.group(3) not in HF_PARENT:
             raise FtcoreError(f"the adapter holds {k}, which ftcore cannot load (only LoRA on "
@@ -176,11 +190,13 @@ def adapter_shapes(path) -> dict[str, tuple[int, ...]]:
 
 def check_adapter_fits(adapter_dir, model_cfg) -> None:
     """Refuse an adapter whose tensors do not fit the model (another base) before anything is built."""
+    from ftcore.peft.moe_format import check_expert_shapes
+
     config = read_adapter_config(str(adapter_dir))
     geo, r = geometry(model_cfg), int(config["r"])
-    for (layer, mod, ab), shape in by_module(
-        adapter_shapes(adapter_dir), "peft.adapter_path"
-    ).items():
+    shapes = adapter_shapes(adapter_dir)
+    check_expert_shapes(adapter_dir, shapes, model_cfg, geo.expert(), r)
+    for (layer, mod, ab), shape in by_module(shapes, "peft.adapter_path").items():
         out, inp = geo.out_in(mod)
         want = (r, inp) if ab == "A" else (out, r)
         if layer >= model_cfg.num_layers or shape != want:
@@ -202,7 +218,9 @@ def settings(cfg: DictConfig) -> LoraSettings:
         if str(ac.get("peft_type", "LORA")).upper() != "LORA":
             raise FtcoreError(f"{p.adapter_path} holds a {ac['peft_type']} adapter, not LoRA",
                               field="peft.adapter_path", fix="a LoRA adapter directory")  # fmt: skip
-        tm = ac.get("target_modules") or []
+        from ftcore.peft.moe_format import FROM_HF  # Mixtral's w1/w3/w2 are gate/up/down_proj
+
+        tm = [FROM_HF.get(t, t) for t in ac.get("target_modules") or []]
         targets = tuple(
             sorted(tm, key=list(HF_NAMES).index) if all(t in HF_NAMES for t in tm) else tm
         )
@@ -248,6 +266,8 @@ def check_config(cfg: DictConfig) -> None:
     if not s.targets:
         raise FtcoreError("no target modules", field="peft.target_modules",
                           fix="e.g. peft.target_modules=[q_proj,k_proj,v_proj,o_proj]")  # fmt: skip
-    plan_targets(s.targets)
+    from ftcore.peft.moe_format import check_moe_targets
+
+    check_moe_targets(cfg, s.targets, plan_targets(s.targets))
     if s.adapter_path:
         check_adapter_fits(s.adapter_path, cfg.model)

@@ -21,6 +21,13 @@ from ftcore.models.nf4 import quantize_linear
 from ftcore.models.sharding import iter_params, shard_info, take_shard, unwrap
 from ftcore.peft.adapter_format import load_hf_adapter
 from ftcore.peft.config import PARENT, Geometry, LoraSettings, check_config, plan_targets, settings
+from ftcore.peft.experts import (
+    adapt_router,
+    adapter_params,
+    is_moe_layer,
+    shard_group_of,
+    wrap_experts,
+)
 from ftcore.peft.layers import LoraParallelLinear
 from ftcore.peft.te_layers import lora_linear  # the TE variant over TE linears (GPU spec)
 from ftcore.runtime import dist as rdist
@@ -41,10 +48,10 @@ def init_adapters(chunks, seed: int) -> None:
 
     The draw is on the CPU (its generator fixes the values; an A is r x in, small) and the shard is
     copied into the parameter where it lives; a parameter on `meta` (a dry build) holds no values."""
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    for name, p in iter_params(chunks):
+    for name, p in adapter_params(chunks):
         if p.is_meta:
             continue  # the planner's dry build: nothing to draw into
+        tp, tp_rank = shard_group_of(p)
         if ".lora_A." in name:
             info = shard_info(name, p, tp)
             bound = 1.0 / math.sqrt(info.full_shape[1])
@@ -78,6 +85,8 @@ def apply_peft(cfg: DictConfig, chunks: list) -> LoraSettings:
     for layer in _layers(chunks):
         for module, parent_name in PARENT.items():
             parent = getattr(layer, parent_name)
+            if is_moe_layer(parent) or module == "router":
+                continue  # the experts and the router: below
             base = getattr(parent, module)
             if quantize is not None:
                 base = quantize(base, double_quant=cfg.peft.double_quant, sp=sp)
@@ -85,6 +94,12 @@ def apply_peft(cfg: DictConfig, chunks: list) -> LoraSettings:
                 base = lora_linear(base, module, plan[module], geo=geo, r=s.r, scale=s.scale,
                                    dropout=s.dropout, tp=tp, sp=sp, dtype=dtype)  # fmt: skip
             setattr(parent, module, base)
+        if is_moe_layer(layer.mlp):
+            experts = {m: plan[m] for m in ("linear_fc1", "linear_fc2") if m in plan}
+            wrap_experts(layer.mlp, experts, geo=geo, r=s.r, scale=s.scale, dropout=s.dropout,
+                         dtype=dtype)  # fmt: skip
+            if "router" in plan:
+                adapt_router(layer.mlp.router, geo=geo, r=s.r, scale=s.scale, dtype=dtype, sp=sp)
     if config.recompute_granularity == "full":
         embedding_output_requires_grad(chunks)
     init_adapters(chunks, cfg.run.seed)
@@ -129,11 +144,15 @@ def count_params(cfg: DictConfig, chunks: list) -> tuple[int, int]:
     trainable = total = 0
     vocab = unwrap(chunks[0]).vocab_size_unpadded
     for name, p in iter_params(chunks):
-        if not first_dp:
-            break
-        if cfg.model.tie_embeddings and name.startswith("output_layer"):
+        if ".local_experts." in name:  # once: expert-DP rank 0, etp rank 0 if replicated
+            if ps.get_expert_data_parallel_rank() != 0 or (
+                not getattr(p, "tensor_model_parallel", False)
+                and ps.get_expert_tensor_parallel_rank() != 0
+            ):
+                continue
+        elif not first_dp or (not getattr(p, "tensor_model_parallel", False) and tp_rank != 0):
             continue
-        if not getattr(p, "tensor_model_parallel", False) and tp_rank != 0:
+        if cfg.model.tie_embeddings and name.startswith("output_layer"):
             continue
         n = getattr(p, "logical_numel", p.numel())
         rows = _vocab_rows(name, p, vocab)
@@ -151,6 +170,6 @@ def lora_modules(chunks):
     """(global layer index, megatron module name, LoraParallelLinear) of this rank."""
     for layer in _layers(chunks):
         for module, parent_name in PARENT.items():
-            m = getattr(getattr(layer, parent_name), module)
+            m = getattr(getattr(layer, parent_name), module, None)
             if isinstance(m, LoraParallelLinear):
                 yield layer.layer_number - 1, module, m

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from ftcore.errors import FtcoreError
 from ftcore.hf.ckpt_reader import CheckpointReader
 from ftcore.hf.io import weights_source
+from ftcore.peft import moe_format
 from ftcore.peft.adapter_format import (
     OUR_KEY,
     gather_full,
@@ -57,8 +58,13 @@ def merge_deltas(
     scale = scaling(int(adapter_config["r"]), float(adapter_config["lora_alpha"]),
                     bool(adapter_config.get("use_rslora", False)))  # fmt: skip
     t = by_module(sd, "export.merge")
-    return {hf_base_key(layer, mod): (t[(layer, mod, "A")], t[(layer, mod, "B")], scale)
-            for (layer, mod, ab) in t if ab == "A"}  # fmt: skip
+    out = {hf_base_key(layer, mod): (t[(layer, mod, "A")], t[(layer, mod, "B")], scale)
+           for (layer, mod, ab) in t if ab == "A" and mod != "gate"}  # fmt: skip
+    for k, a in sd.items():  # a MoE's experts and router: the base key is the adapter's own
+        if k.endswith(".lora_A.weight") and (moe_format.is_expert_key(k) or ".gate.lora_A" in k):
+            base = k.removeprefix("base_model.model.").removesuffix(".lora_A.weight") + ".weight"
+            out[base] = (a, sd[k.replace(".lora_A.", ".lora_B.")], scale)
+    return out
 
 
 def merge_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
@@ -116,6 +122,11 @@ def megatron_deltas(
     """{global base weight name: scale·B·A in megatron's fused layout (fp32)} from full adapters."""
     groups: dict[tuple[int, str, str], dict[str, dict[str, torch.Tensor]]] = {}
     for name, t in full.items():
+        e = moe_format.OUR_EXPERT_KEY.match(name)
+        if e is not None:  # parent: the expert, by its global index
+            parent = f"mlp.experts.local_experts.{e[2]}"
+            groups.setdefault((int(e[1]), parent, e[3]), {"A": {}, "B": {}})[e[4]][e[5]] = t.float()
+            continue
         m = OUR_KEY.match(name)
         layer, module, ab, key = int(m.group(1)), m.group(2), m.group(3), m.group(4)
         groups.setdefault((layer, PARENT[module], module), {"A": {}, "B": {}})[ab][key] = t.float()
@@ -123,7 +134,8 @@ def megatron_deltas(
     for (layer, parent, module), ab in groups.items():
         per = {s: b @ ab["A"].get(s, ab["A"].get(module)) for s, b in ab["B"].items()}
         if module in COLUMN:
-            delta = fuse_column(module, {s: d.t() for s, d in per.items()}, geo, 1).t()
+            g = geo.expert() if ".local_experts." in parent else geo
+            delta = fuse_column(module, {s: d.t() for s, d in per.items()}, g, 1).t()
         else:
             (delta,) = per.values()
         out[f"decoder.layers.{layer}.{parent}.{module}.weight"] = scale * delta
@@ -152,12 +164,22 @@ def live_merge_transform(state):
 
 def adapter_names(run_cfg) -> list[str]:
     """Global names of every adapter tensor of a run (from its config)."""
-    names = []
-    for i in range(run_cfg.model.num_layers):
+    m = run_cfg.model
+    names, experts = [], int(getattr(m, "num_experts", None) or 0)
+    dense = set(getattr(m, "moe_dense_layers", None) or [])
+    for i in range(m.num_layers):
+        moe = experts and i not in dense
         for module, slices in plan_targets(settings(run_cfg).targets).items():
-            pre = f"decoder.layers.{i}.{PARENT[module]}.{module}."
-            names += [pre + f"lora_A.{k}" for k in dict.fromkeys(slices.values())]
-            names += [pre + f"lora_B.{s}" for s in slices]
+            if module == "router" and not moe:
+                continue
+            if moe and module in ("linear_fc1", "linear_fc2"):
+                parents = [f"mlp.experts.local_experts.{k}" for k in range(experts)]
+            else:
+                parents = [PARENT[module]]
+            for parent in parents:
+                pre = f"decoder.layers.{i}.{parent}.{module}."
+                names += [pre + f"lora_A.{k}" for k in dict.fromkeys(slices.values())]
+                names += [pre + f"lora_B.{s}" for s in slices]
     return names
 
 
@@ -186,10 +208,10 @@ def export_adapter_checkpoint(step_dir, run_cfg, out, *, merge: bool) -> Path:
     """An adapter-only (LoRA) checkpoint -> `hf_adapter/` (PEFT), or with `merge` a merged HF model
     streamed from the run's base directory (model.hf_path or model.init_path)."""
     s = settings(run_cfg)
-    sd, targets = to_peft(read_checkpoint_adapters(step_dir, run_cfg))
+    sd, targets = to_peft(read_checkpoint_adapters(step_dir, run_cfg), run_cfg.model.family)
     base = run_cfg.model.hf_path or run_cfg.model.init_path
     if not merge:
-        save_adapter(Path(out), sd, s, targets, base)
+        save_adapter(Path(out), sd, s, targets, base, run_cfg.model)
         return Path(out)
     check_merge(run_cfg)
     if not base:
@@ -197,7 +219,7 @@ def export_adapter_checkpoint(step_dir, run_cfg, out, *, merge: bool) -> Path:
                           "model.init_path", field="export.merge", fix="export the adapter alone")  # fmt: skip
     base_dir, _ = weights_source(run_cfg)
     tmp = Path(out).with_name(Path(out).name + ".adapter")
-    save_adapter(tmp, sd, s, targets, base)
+    save_adapter(tmp, sd, s, targets, base, run_cfg.model)
     try:
         return write_merged_model(base_dir, tmp, out)
     finally:
