@@ -114,6 +114,10 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
         from ftcore.peft.lora import apply_peft
 
         apply_peft(cfg, chunks)
+    if cfg.objective.name == "dpo":  # the reference: in the policy (LoRA) or a frozen copy
+        from ftcore.training.dpo import build_reference
+
+        state.extra["reference"] = build_reference(cfg, chunks)
     # 9. Data: this DP rank's shard of a layout-independent global order. Before the schedule:
     #    with train.epochs, the step count comes from the data size.
     dp_rank = ps.get_data_parallel_rank()
@@ -165,11 +169,18 @@ def train_step(state: TrainState) -> dict:
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
+    metrics = {}
     with timed(timers, FWD_BWD):
-        loss_sum, target_tokens = run_batches(
-            state, microbatches, forward_only=False, timers=timers
-        )
-    loss = loss_sum / max(target_tokens, 1.0)
+        if cfg.objective.name == "dpo":  # mean over pairs; rewards/*, logps/* (training/dpo.py)
+            from ftcore.training.dpo import run_pairs
+
+            res = run_pairs(state, microbatches, forward_only=False, timers=timers)
+            loss, target_tokens, metrics = res.loss, res.tokens, res.metrics
+        else:
+            loss_sum, target_tokens = run_batches(
+                state, microbatches, forward_only=False, timers=timers
+            )
+            loss = loss_sum / max(target_tokens, 1.0)
     if not math.isfinite(loss):
         return {
             "loss": loss,
@@ -197,6 +208,7 @@ def train_step(state: TrainState) -> dict:
         "grad_norm": norm,
         "tokens": int(tokens),
         "target_tokens": int(target_tokens),
+        "metrics": metrics,
     }
 
 
@@ -255,6 +267,7 @@ def fit(state: TrainState) -> None:
                 "peak_mem_gib": metrics_mod.peak_mem_gib(),
             }
             record.update(metrics_mod.throughput_fields(cfg, record["tokens_per_s_per_gpu"]))
+            record.update(out["metrics"])  # objective=dpo: rewards/*, logps/* (TRL's names)
             writer.write(record)
             state.extra["last_loss"] = out["loss"]
             t0 = time.perf_counter()
@@ -286,8 +299,10 @@ def fit(state: TrainState) -> None:
 
 def _evaluate(state: TrainState, writer) -> None:
     """The validation loss now: a metrics.jsonl line, and the end summary's."""
-    val = evaluate(state, state.val_batches[: state.cfg.eval.iters]).loss
-    writer.write({"step": state.step, "eval_loss": val})
+    res = evaluate(state, state.val_batches[: state.cfg.eval.iters])
+    val = res.loss
+    extra = {f"eval_{k}": v for k, v in res.metrics.items()}  # dpo: TRL's eval_rewards/... names
+    writer.write({"step": state.step, "eval_loss": val, **extra})
     state.extra.setdefault("eval_losses", []).append((state.step, val))
 
 
