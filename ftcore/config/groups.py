@@ -240,7 +240,8 @@ class DataMixEntry:
 @dataclass
 class DataConfig:
     path: Optional[str] = None  # JSONL/JSON/Parquet file or directory; default: the bundled sample
-    # auto (from the records: ftcore/data/formats.py) | instruction | chat | prompt_completion | text
+    # auto (from the records: ftcore/data/formats.py) | instruction | chat | prompt_completion |
+    # text | preference (prompt/chosen/rejected pairs, for objective=dpo: docs/preference.md)
     format: str = "auto"
     seq_len: int = 256
     packing: bool = False

@@ -5,7 +5,7 @@ load-balanced layout for causal attention (megatron.core.utils.get_batch_on_this
 early chunks attend few keys, the late ones many, so each rank gets one of each). megatron's
 RotaryEmbedding slices its angles the same way (get_pos_emb_on_this_cp_rank), so the rotary
 positions of a rank's tokens are their global ones. Tokens, labels, loss mask, position and segment
-ids are all sliced with the same index; the attention mask is built from the whole row first
+ids (and a preference batch's pair_index and pair_side) are all sliced with the same index; the attention mask is built from the whole row first
 (models/local/cp_attention.py) so causality and document boundaries follow global positions.
 
 Packed rows under CP (micro-batches made with `cu_seqlens_padded`, every document padded to a
@@ -87,7 +87,8 @@ def shard(mb: MicroBatch, cp: int, rank: int, pin: bool = False) -> MicroBatch:
     if cp == 1:
         return mb
     index = row_positions(mb, cp, rank)
-    sliced = {name: getattr(mb, name).gather(1, index) for name in _SLICED}
+    names = _SLICED + (("pair_index", "pair_side") if mb.pair_index is not None else ())
+    sliced = {name: getattr(mb, name).gather(1, index) for name in names}
     if pin:
         sliced = {name: t.pin_memory() for name, t in sliced.items()}
     return dataclasses.replace(mb, **sliced)

@@ -1,7 +1,7 @@
 """`data.format=auto` (the default): the shape of the records decides how they are rendered.
 
 The first record of each training source is read (nothing is tokenized) and its keys choose:
-`messages` -> chat, `prompt` + `completion` -> prompt_completion (TRL's prompt-completion
+`chosen` + `rejected` -> preference (TRL's preference format, data/preference.py), `messages` -> chat, `prompt` + `completion` -> prompt_completion (TRL's prompt-completion
 format), `instruction` + `output` -> instruction, `text` -> text. A file whose first record has
 none of these is refused with the accepted shapes listed. An explicit `data.format` (or a mix
 entry's own `format`) is used as given; a later record of another shape is a bad record
@@ -18,6 +18,7 @@ log = logging.getLogger("ftcore")
 
 # (format, the keys that make it, how the shape is written for a user)
 SHAPES = (
+    ("preference", ("chosen", "rejected"), '{"prompt": ..., "chosen": ..., "rejected": ...}'),
     ("chat", ("messages",), '{"messages": [{"role": ..., "content": ...}, ...]}'),
     ("prompt_completion", ("prompt", "completion"), '{"prompt": ..., "completion": ...}'),
     ("instruction", ("instruction", "output"), '{"instruction": ..., "output": ...}'),
@@ -51,7 +52,7 @@ def detect_source(path: str, field: str = "data.path") -> str:
                 f"{where}: the record ({keys}) has none of the shapes ftcore reads: {ACCEPTED}",
                 field=field,
                 fix="write the records in one of these shapes, or name the format with "
-                "data.format=instruction|chat|prompt_completion|text",
+                "data.format=instruction|chat|prompt_completion|text|preference",
             )
         return fmt
     return "instruction"  # nothing readable: the tokenizer's pass reports each record

@@ -33,6 +33,16 @@ class MicroBatch:
     # packed rows under CP (make_microbatch's doc_multiple > 1): the boundaries of the documents
     # padded to the multiple (TE's cu_seqlens_padded), cu_seqlens then counts real tokens only
     cu_seqlens_padded: torch.Tensor | None = None
+    # Preference pairs (data.format=preference, data/samples.py), else None. Per token and aligned
+    # with labels/loss_mask (position t describes the target labels[i, t]): pair_index is the
+    # pair of this micro-batch (0 ... num_pairs-1) whose completion that target belongs to, -1
+    # exactly where loss_mask is 0 (prompt, padding, a document's last token); pair_side is 0
+    # for the chosen completion, 1 for the rejected one, -1 where pair_index is. A pair's two
+    # documents are always in the same micro-batch (unpacked: rows 2k and 2k+1; packed: one row).
+    # CP slices them with the tokens (data/cp.py); a pair's log-prob is the sum over its targets.
+    pair_index: torch.Tensor | None = None  # int64 [b, width]
+    pair_side: torch.Tensor | None = None  # int64 [b, width]
+    num_pairs: int = 0
 
     def __post_init__(self):
         if self.cu_seqlens is None:
@@ -230,20 +240,27 @@ def padded_length(n: int, doc_multiple: int) -> int:
 
 
 def make_microbatch(
-    rows: list[list[Doc]], seq_len: int, pad_id: int, doc_multiple: int = 1
+    rows: list[list[Doc]],
+    seq_len: int,
+    pad_id: int,
+    doc_multiple: int = 1,
+    pairs: list[list[tuple[int, int]]] | None = None,
 ) -> MicroBatch:
     """Tensors for rows of documents (an empty row is all padding).
 
     doc_multiple > 1 (packed rows under context parallelism: 2*cp) pads every document to a
     multiple of it, as TE's THD partitioning needs: the pad tokens follow the document's own
     tokens with its segment id and continuing positions, no loss and no labels, so (causally) no
-    real token attends them and they never reach another document."""
+    real token attends them and they never reach another document. `pairs`: each document's
+    (pair, side) for preference data (MicroBatch.pair_index)."""
     b = len(rows)
     tokens = np.full((b, seq_len), pad_id, np.int64)
     labels = np.zeros((b, seq_len), np.int64)
     loss_mask = np.zeros((b, seq_len), np.float32)
     position_ids = np.zeros((b, seq_len), np.int64)
     segment_ids = np.zeros((b, seq_len), np.int32)
+    pair_index = np.full((b, seq_len), -1, np.int64) if pairs is not None else None
+    pair_side = np.full((b, seq_len), -1, np.int64) if pairs is not None else None
     real, padded = [0], [0]  # cumulative lengths, for doc_multiple > 1
     for r, docs in enumerate(rows):
         t = 0
@@ -255,6 +272,10 @@ def make_microbatch(
             tokens[r, t : t + n] = d.ids
             labels[r, t : t + n - 1] = np.where(d.targets[1:], d.ids[1:], 0)
             loss_mask[r, t : t + n - 1] = d.targets[1:]
+            if pairs is not None:
+                p, side = pairs[r][k - 1]
+                pair_index[r, t : t + n - 1] = np.where(d.targets[1:], p, -1)
+                pair_side[r, t : t + n - 1] = np.where(d.targets[1:], side, -1)
             position_ids[r, t : t + m] = np.arange(m)
             segment_ids[r, t : t + m] = k
             real.append(real[-1] + n)
@@ -264,6 +285,10 @@ def make_microbatch(
             real.append(real[-1] + seq_len - t)
             padded.append(padded[-1] + seq_len - t)
     extra = {}
+    if pairs is not None:
+        extra["pair_index"] = torch.from_numpy(pair_index)
+        extra["pair_side"] = torch.from_numpy(pair_side)
+        extra["num_pairs"] = len({p for tags in pairs for p, _ in tags})
     if doc_multiple > 1:
         extra = {
             "cu_seqlens": torch.tensor(real, dtype=torch.int32),

@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from ftcore.config.schema import assets_dir
 from ftcore.data.packing import MicroBatch, attention_mask_from_segments, make_microbatch
 from ftcore.data.sampler import Sampler, rng
+from ftcore.data.samples import Docs, doc_learn, doc_lengths, doc_rows, per_sample, truncate
 from ftcore.data.templates import Doc
-from ftcore.data.tokenized import DocTable, Tokenized, tokenize_source
+from ftcore.data.tokenized import tokenize_source
 from ftcore.data.transfer import pin_host_batches
 from ftcore.errors import FtcoreError
 from ftcore.planner.cp import sequence_multiple
 
 __all__ = [
+    "Docs",
     "MicroBatch",
     "TrainLoader",
     "attention_mask_from_segments",
@@ -34,54 +35,6 @@ log = logging.getLogger("ftcore")
 
 def bundled_data(split: str) -> str:
     return str(assets_dir() / "data" / f"{split}.jsonl")
-
-
-@dataclass
-class Docs:
-    """The documents a loader draws from, after truncation, and what happened on the way."""
-
-    docs: DocTable | list[Doc] = field(default_factory=DocTable)
-    source_ids: list[np.ndarray] = field(default_factory=list)  # doc ids of each source
-    truncated: int = 0
-    dropped: int = 0
-    bad_records: int = 0
-
-
-def _truncate(
-    docs: Docs, tok: Tokenized, picks: np.ndarray, seq_len: int, policy: str
-) -> np.ndarray:
-    """Append the picked documents of one source to `docs`; return their ids there. Reads the
-    tokens of the over-long documents only (a truncated one must keep a target)."""
-    picks = np.asarray(picks, np.int64)
-    start = np.asarray(tok.offsets[picks], np.int64)
-    lengths = np.asarray(tok.offsets[picks + 1], np.int64) - start
-    learn = tok.doc_learn(picks)
-    keep = np.ones(len(picks), bool)
-    for j in np.flatnonzero(lengths > seq_len):
-        a = int(start[j])
-        n = np.count_nonzero(tok.targets[a + 1 : a + seq_len]) if policy != "drop" else 0
-        if n == 0:  # dropped, or nothing left to learn from
-            keep[j] = False
-            docs.dropped += 1
-            continue
-        lengths[j], learn[j] = seq_len, n
-        docs.truncated += 1
-    first = len(docs.docs)
-    docs.docs.extend(tok, start[keep], lengths[keep], learn[keep])
-    return np.arange(first, first + int(keep.sum()), dtype=np.int64)
-
-
-def doc_lengths(docs) -> np.ndarray:
-    if isinstance(docs, DocTable):
-        return docs.lengths
-    return np.asarray([len(d) for d in docs], np.int64)
-
-
-def doc_learn(docs) -> np.ndarray:
-    """Target tokens after each document's first (what its loss counts)."""
-    if isinstance(docs, DocTable):
-        return docs.learn
-    return np.asarray([int(d.targets[1:].sum()) for d in docs], np.int64)
 
 
 def _check(cfg) -> None:
@@ -106,6 +59,30 @@ def _check(cfg) -> None:
             field="data.mix",
             fix="list every source in data.mix",
         )
+    check_preference(cfg)
+
+
+def check_preference(cfg) -> None:
+    """Preference pairs go with the DPO objective and nothing else (a source of another format
+    in the mix, the prompt trained on, or the SFT loss on both completions would be wrong)."""
+    d = cfg.data
+    formats = {d.format} | {m.get("format") or d.format for m in d.mix or []}
+    objective = (cfg.get("objective") or {}).get("name")
+    if "preference" not in formats:
+        if objective == "dpo":
+            raise FtcoreError(f"objective=dpo trains on preference pairs, not {d.format} records",
+                              field="data.format", fix="data.format=preference (records with "
+                              "prompt, chosen and rejected)")  # fmt: skip
+        return
+    if len(formats) > 1:
+        raise FtcoreError(f"preference data mixed with {', '.join(sorted(formats - {'preference'}))}",
+                          field="data.mix", fix="give every source format=preference")  # fmt: skip
+    if objective not in (None, "dpo"):
+        raise FtcoreError(f"data.format=preference needs a preference objective, not {objective}",
+                          field="objective", fix="objective=dpo")  # fmt: skip
+    if d.train_on_prompt:
+        raise FtcoreError("preference losses count completion tokens only",
+                          field="data.train_on_prompt", fix="data.train_on_prompt=false")  # fmt: skip
 
 
 def train_sources(cfg) -> list[tuple[str, float, str | None, str]]:
@@ -125,6 +102,13 @@ def held_out_split(n: int, cfg) -> tuple[np.ndarray, np.ndarray]:
     return np.sort(perm[k:]), np.sort(perm[:k])
 
 
+def fits(cfg, group: int):
+    """For packed pairs: which samples' documents fit one row together (data/samples.py)."""
+    if group == 1 or not cfg.data.packing:
+        return None
+    return lambda lengths: packing_lengths(cfg, lengths).sum(1) <= cfg.data.seq_len
+
+
 def _load_train(cfg, tokenizer) -> tuple[Docs, list[int]]:
     docs, sizes, weights = Docs(), [], []
     for path, weight, fmt, fld in train_sources(cfg):
@@ -136,11 +120,17 @@ def _load_train(cfg, tokenizer) -> tuple[Docs, list[int]]:
             )
         tok = tokenize_source(path, tokenizer, cfg.data, fmt, fld)
         docs.bad_records += tok.bad_records
-        train_ids, _ = held_out_split(len(tok), cfg)
-        ids = _truncate(docs, tok, train_ids, cfg.data.seq_len, cfg.data.truncate)
+        train_ids, _ = held_out_split(tok.samples, cfg)
+        d = cfg.data
+        ids = truncate(docs, tok, train_ids, d.seq_len, d.truncate, fits(cfg, tok.group))
         if len(ids) == 0:
             raise FtcoreError(
-                f"every sample of {path} is longer than data.seq_len",
+                f"every sample of {path} is longer than data.seq_len"
+                + (
+                    " (a packed pair: both sequences in one row)"
+                    if d.packing and tok.group > 1
+                    else ""
+                ),  # fmt: skip
                 field="data.seq_len",
                 fix="raise data.seq_len or use data.truncate=right",
             )
@@ -199,14 +189,15 @@ def assemble(cfg, docs: Docs, rows: list[list[int]], pad_id: int) -> list[MicroB
     row_width says; under PP all of a step's micro-batches take the widest (pipeline sends have
     one shape per step). Training and evaluation both come through here."""
     micro, multiple = cfg.train.micro_batch_size, trim_multiple(cfg)
-    groups = [
-        [[docs.docs[d] for d in r] for r in rows[i : i + micro]] for i in range(0, len(rows), micro)
-    ]
+    laid = [doc_rows(rows[i : i + micro], docs.group, cfg.data.packing)
+            for i in range(0, len(rows), micro)]  # fmt: skip
+    groups = [[[docs.docs[d] for d in r] for r in g] for g, _ in laid]
     widths = [row_width(g, cfg.data.seq_len, multiple) for g in groups]
     if cfg.parallel.pp > 1:
         widths = [max(widths)] * len(widths)
     m = doc_multiple(cfg)
-    return [make_microbatch(g, w, pad_id, m) for g, w in zip(groups, widths)]
+    return [make_microbatch(g, w, pad_id, m, tags)
+            for g, w, (_, tags) in zip(groups, widths, laid)]  # fmt: skip
 
 
 class TrainLoader:
@@ -223,7 +214,7 @@ class TrainLoader:
             )
         self.docs, self.pad_id, self.seq_len = docs, pad_id, cfg.data.seq_len
         self.global_batch, self.dp_rank, self.per_rank = t.global_batch_size, dp_rank, per_rank
-        lengths = packing_lengths(cfg, doc_lengths(docs.docs))
+        lengths = per_sample(packing_lengths(cfg, doc_lengths(docs.docs)), docs.group)
         self.sampler = Sampler(
             docs.source_ids, counts, lengths, cfg.data.seq_len, cfg.data.packing, cfg.run.seed
         )
@@ -234,9 +225,10 @@ class TrainLoader:
 
     def _report(self) -> dict:
         rows = len(self.sampler.rows(0))
-        ids = self.sampler.epoch_docs(0)  # the documents of epoch 0's rows, in another order
-        tokens = int(doc_lengths(self.docs.docs)[ids].sum())
-        targets = int(doc_learn(self.docs.docs)[ids].sum())
+        ids = self.sampler.epoch_docs(0)  # the samples of epoch 0's rows, in another order
+        g = self.docs.group
+        tokens = int(per_sample(doc_lengths(self.docs.docs), g)[ids].sum())
+        targets = int(per_sample(doc_learn(self.docs.docs), g)[ids].sum())
         return {
             "samples": len(ids),
             "tokens": tokens,
@@ -340,24 +332,25 @@ def _val_docs(cfg, tokenizer, path: str | None) -> Docs:
         path = cfg.data.val_path
     if path is not None:
         tok = tokenize_source(path, tokenizer, cfg.data, None, "data.val_path")
-        picks = [np.arange(len(tok))]
+        picks = [np.arange(tok.samples)]
         toks = [tok]
     elif cfg.data.val_fraction > 0:
         toks = [
             tokenize_source(p, tokenizer, cfg.data, f, fld) for p, _, f, fld in train_sources(cfg)
         ]
-        picks = [held_out_split(len(t), cfg)[1] for t in toks]
+        picks = [held_out_split(t.samples, cfg)[1] for t in toks]
     elif not cfg.data.path and not cfg.data.mix:
         toks = [tokenize_source(bundled_data("val"), tokenizer, cfg.data, None, "data.val_path")]
-        picks = [np.arange(len(toks[0]))]
+        picks = [np.arange(toks[0].samples)]
     else:
         return docs
     for tok, p in zip(toks, picks):
         docs.bad_records += tok.bad_records
-        docs.source_ids.append(_truncate(docs, tok, p, cfg.data.seq_len, cfg.data.truncate))
+        d = cfg.data
+        docs.source_ids.append(truncate(docs, tok, p, d.seq_len, d.truncate, fits(cfg, tok.group)))
     max_samples = cfg.eval.get("max_samples")
     if max_samples:
-        docs.docs = docs.docs[:max_samples]
+        docs.docs = docs.docs[: max_samples * docs.group]
     return docs
 
 
@@ -374,7 +367,7 @@ def build_val_batches(
         rows = [sorted(b) for b in _pack(cfg, docs)]
         rows.sort(key=lambda r: r[0])
     else:
-        rows = [[i] for i in range(len(docs.docs))]
+        rows = [[i] for i in range(docs.samples)]
     g = cfg.train.global_batch_size
     per_rank = g // dp_size
     rows += [[] for _ in range(-len(rows) % g)]
@@ -392,4 +385,5 @@ def build_val_batches(
 def _pack(cfg, docs: Docs) -> list[list[int]]:
     from ftcore.data.packing import pack
 
-    return pack(packing_lengths(cfg, doc_lengths(docs.docs)).tolist(), cfg.data.seq_len)
+    lengths = per_sample(packing_lengths(cfg, doc_lengths(docs.docs)), docs.group)
+    return pack(lengths.tolist(), cfg.data.seq_len)

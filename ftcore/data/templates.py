@@ -51,7 +51,7 @@ PROBES = (
         {"role": "assistant", "content": "It is 8."},
     ],
 )
-FORMATS = ("instruction", "chat", "prompt_completion", "text")
+FORMATS = ("instruction", "chat", "prompt_completion", "text", "preference")
 
 
 class BadRecord(ValueError):
@@ -157,7 +157,7 @@ class Renderer:
             )
         self.tok, self.fmt, self.train_on_prompt = tokenizer, fmt, train_on_prompt
         self.template = None
-        if fmt == "prompt_completion":  # strings need no template; message lists do (render)
+        if fmt in ("prompt_completion", "preference"):  # strings need no template; lists do
             try:
                 self.template = resolve_template(tokenizer, template)
             except FtcoreError:
@@ -295,7 +295,12 @@ class Renderer:
         return self.ids(self.render(msgs[:last], True)), msgs[last]["content"]
 
     def doc(self, rec) -> Doc:
-        """A record as token ids and target flags; raises BadRecord for bad records."""
+        """A record as token ids and target flags (a preference record: its two, as a
+        data.preference.Pair); raises BadRecord for bad records."""
+        if self.fmt == "preference":
+            from ftcore.data import preference
+
+            return preference.pair(self, rec)
         if self.fmt == "text":
             if not isinstance(rec, dict):
                 raise BadRecord(f"a record must be a JSON object, got {type(rec).__name__}")

@@ -41,9 +41,15 @@ class Tokenized:
     bad_records: int = 0
     bad_examples: list[str] = field(default_factory=list)
     learn: np.ndarray | None = None  # int32 per doc: targets after its first token
+    group: int = 1  # documents per sample: 2 for preference pairs (chosen, rejected)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
+
+    @property
+    def samples(self) -> int:
+        """Records kept (pairs for preference data); sample i is documents group*i ... + group-1."""
+        return len(self) // self.group
 
     def doc(self, i: int) -> Doc:
         a, b = self.offsets[i], self.offsets[i + 1]
@@ -128,10 +134,11 @@ def _build(
     except OSError as e:
         raise _unwritable(entry, e) from None
     bad, examples = 0, []
+    group = 2 if renderer.fmt == "preference" else 1  # a pair: two documents, kept together
     docs = render_pool.rendered(sources.iter_records(files), renderer, workers)
     try:
         for where, doc in docs:
-            if max_samples is not None and writer.docs >= max_samples:
+            if max_samples is not None and writer.docs >= max_samples * group:
                 break
             if isinstance(doc, (BadRecord, sources.RecordError)):
                 e = doc
@@ -141,7 +148,8 @@ def _build(
                 if len(examples) < 5:
                     examples.append(f"{where}: {e}")
                 continue
-            writer.add(doc.ids, doc.targets)
+            for d in doc.docs if group > 1 else (doc,):
+                writer.add(d.ids, d.targets)
         if writer.docs == 0:
             raise FtcoreError(
                 f"no usable records in {files if isinstance(files, str) else ', '.join(map(str, files))}"
@@ -262,4 +270,5 @@ def tokenize_source(
         raise error
     if result is None:
         result = _load(entry, key) or _build(*args)
+    result.group = 2 if fmt == "preference" else 1
     return result

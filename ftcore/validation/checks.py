@@ -21,7 +21,7 @@ CHOICES = {
     "model.init_method": ("auto", "layout_independent", "sharded"),
     "model.family": tuple(FAMILIES),
     "peft.name": ("none", "lora", "qlora"),
-    "data.format": ("auto", "instruction", "chat", "prompt_completion", "text"),
+    "data.format": ("auto", "instruction", "chat", "prompt_completion", "text", "preference"),
     "data.truncate": ("right", "drop"),
     "data.on_bad_record": ("error", "skip"),
     "logger.wandb.mode": ("disabled", "offline", "online"),
