@@ -86,10 +86,6 @@ class _CpSum(torch.autograd.Function):
         return grad
 
 
-def num_pairs(whole) -> int:
-    return max(int(whole.pair_index.max()) + 1, 0) if whole.pair_index.numel() else 0
-
-
 def pair_sums(whole, mb, vocab_size: int, rows, output: torch.Tensor):
     """[pairs, 2] sequence log-probs (summed over the CP group) and completion token counts."""
     dev = output.device
@@ -99,7 +95,7 @@ def pair_sums(whole, mb, vocab_size: int, rows, output: torch.Tensor):
         labels, index = target_logits.at_rows(labels, rows), target_logits.at_rows(index, rows)
         side = target_logits.at_rows(side, rows)
     logps = -token_losses(output, labels, vocab_size)
-    sums, counts = preference.sequence_sums(logps, index, side, num_pairs(whole))
+    sums, counts = preference.sequence_sums(logps, index, side, whole.num_pairs)
     if ps.get_context_parallel_world_size() > 1:
         sums = _CpSum.apply(sums)
         dist.all_reduce(counts, group=ps.get_context_parallel_group())
