@@ -56,10 +56,11 @@ def sequence_sums(
     keep = pair_index >= 0
     slot = torch.where(keep, pair_index * 2 + pair_side, torch.zeros_like(pair_index)).reshape(-1)
     w = keep.reshape(-1).to(token_logps.dtype)
-    sums = torch.zeros(2 * num_pairs, dtype=token_logps.dtype, device=token_logps.device)
+    slots = 2 * max(num_pairs, 1)  # an all-padding micro-batch (no pairs) still has slot 0
+    sums = torch.zeros(slots, dtype=token_logps.dtype, device=token_logps.device)
     sums = sums.index_add(0, slot, token_logps.reshape(-1) * w)
     counts = torch.zeros_like(sums).index_add(0, slot, w)
-    return sums.view(num_pairs, 2), counts.view(num_pairs, 2)
+    return sums.view(-1, 2)[:num_pairs], counts.view(-1, 2)[:num_pairs]
 
 
 def pair_losses(

@@ -36,3 +36,11 @@ def test_losses_at_known_points():
     assert math.isclose(r, -math.log(1 / (1 + math.exp(-1.0))), rel_tol=1e-6)
     m = metric_sums(Objective(beta=0.5), pol, ref).tolist()
     assert m == [0.5, -0.5, 1.0, 1.0, -4.0, -6.0]
+
+
+def test_a_micro_batch_without_pairs():
+    """The padding micro-batch that fills an evaluation's last global batch: no pairs, no error."""
+    sums, counts = sequence_sums(
+        torch.zeros(1, 4), torch.full((1, 4), -1), torch.full((1, 4), -1), 0
+    )
+    assert sums.shape == (0, 2) and counts.shape == (0, 2)
