@@ -290,7 +290,7 @@ def make_microbatch(
         extra["pair_side"] = torch.from_numpy(pair_side)
         extra["num_pairs"] = len({p for tags in pairs for p, _ in tags})
     if doc_multiple > 1:
-        extra = {
+        extra |= {
             "cu_seqlens": torch.tensor(real, dtype=torch.int32),
             "cu_seqlens_padded": torch.tensor(padded, dtype=torch.int32),
             "max_seqlen": int(np.diff(padded).max()) if len(padded) > 1 else 0,
