@@ -33,8 +33,10 @@ __all__ = [
 log = logging.getLogger("ftcore")
 
 
-def bundled_data(split: str) -> str:
-    return str(assets_dir() / "data" / f"{split}.jsonl")
+def bundled_data(split: str, fmt: str | None = None) -> str:
+    """The bundled sample's split; data.format=preference: the preference pairs' (+exp=tiny_dpo)."""
+    name = f"preference_{split}" if fmt == "preference" else split
+    return str(assets_dir() / "data" / f"{name}.jsonl")
 
 
 def _check(cfg) -> None:
@@ -92,7 +94,7 @@ def train_sources(cfg) -> list[tuple[str, float, str | None, str]]:
             (m.path, float(m.weight), m.get("format"), f"data.mix[{i}].path")
             for i, m in enumerate(cfg.data.mix)
         ]
-    return [(cfg.data.path or bundled_data("train"), 1.0, None, "data.path")]
+    return [(cfg.data.path or bundled_data("train", cfg.data.format), 1.0, None, "data.path")]
 
 
 def held_out_split(n: int, cfg) -> tuple[np.ndarray, np.ndarray]:
@@ -340,7 +342,8 @@ def _val_docs(cfg, tokenizer, path: str | None) -> Docs:
         ]
         picks = [held_out_split(t.samples, cfg)[1] for t in toks]
     elif not cfg.data.path and not cfg.data.mix:
-        toks = [tokenize_source(bundled_data("val"), tokenizer, cfg.data, None, "data.val_path")]
+        val = bundled_data("val", cfg.data.format)
+        toks = [tokenize_source(val, tokenizer, cfg.data, None, "data.val_path")]
         picks = [np.arange(toks[0].samples)]
     else:
         return docs
