@@ -78,15 +78,20 @@ class Shape:
         return self.h // self.tp if self.sp else self.h
 
 
-def rows_per_item(cfg) -> int:
-    """objective=dpo: train.micro_batch_size counts pairs, each two rows (chosen, rejected)."""
+def _dpo(cfg) -> bool:
     o = getattr(cfg, "objective", None)
-    return 2 if o is not None and o.name == "dpo" else 1
+    return o is not None and o.name == "dpo"
+
+
+def rows_per_item(cfg) -> int:
+    """objective=dpo unpacked: train.micro_batch_size counts pairs, each two rows (chosen,
+    rejected); packed, it counts rows, each holding whole pairs."""
+    return 2 if _dpo(cfg) and not cfg.data.packing else 1
 
 
 def reference_forwards(cfg) -> int:
     """objective=dpo: one forward of the reference per micro-batch, before the policy's."""
-    return rows_per_item(cfg) - 1
+    return 1 if _dpo(cfg) else 0
 
 
 def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
