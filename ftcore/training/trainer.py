@@ -70,6 +70,9 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # before the process group
     formats.resolve(cfg, say=rank == "0")  # data.format=auto: what the records show
     adapt(cfg, training=training, say=rank == "0")
+    o = cfg.objective
+    if o.name == "dpo" and o.ref_adapter_path and not cfg.peft.adapter_path:
+        cfg.peft.adapter_path = o.ref_adapter_path  # the policy starts as the reference (TRL)
     # 2. Validate in the pinned order before anything heavy exists.
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     dp = checks.validate(cfg, launched)

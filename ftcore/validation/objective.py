@@ -4,6 +4,8 @@ reference each fine-tuning mode can have. Free of torch: this runs in the launch
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
@@ -68,6 +70,12 @@ def check_reference(cfg: DictConfig) -> None:
             "a reference adapter needs adapters: with full fine-tuning there is none to switch",
             field="objective.ref_adapter_path",
             fix="peft=lora (the policy starts from the reference adapter), or remove it",
+        )
+    if o.ref_adapter_path and not Path(o.ref_adapter_path, "adapter_config.json").is_file():
+        raise FtcoreError(
+            f"{o.ref_adapter_path} is not a PEFT adapter directory (no adapter_config.json)",
+            field="objective.ref_adapter_path",
+            fix="the hf_adapter/ directory of the SFT run to start from",
         )
     if o.precompute_ref:
         raise FtcoreError(

@@ -135,3 +135,27 @@ def test_the_adapter_learned_and_loads_in_peft(runs):
     assert (Path(adapter) / "adapter_config.json").is_file()
     _, ours = shapes["standard"]
     assert abs(ours["sigmoid"]["rewards/margins"]) > 1e-3
+
+
+def ref_adapter_case(hf_dir: str, run_dir: str, data: str, adapter: str) -> dict:
+    """Worker: objective.ref_adapter_path: the reference is base + that adapter, and the policy
+    starts from it (TRL's "ref" copy of a pretrained adapter): every reward is zero."""
+    from ftcore import eval as ftcore_eval
+    from ftcore.training import trainer
+
+    cfg = _cfg(hf_dir, run_dir, data, f"objective.ref_adapter_path={adapter}",
+               "train.global_batch_size=4", "train.micro_batch_size=1")  # fmt: skip
+    cfg.eval.output = str(Path(run_dir) / "eval.json")
+    state = trainer.setup(cfg, data=False, kind="eval")
+    return ftcore_eval.evaluate(cfg, state)
+
+
+def test_a_reference_adapter_is_where_the_policy_starts(runs, pool1):
+    hf_dir, adapter, shapes, root = runs
+    data = str(root / "standard.jsonl")
+    got = pool1.run(ref_adapter_case, hf_dir, str(root / "ref_adapter"), data, adapter)[0]
+    assert got["rewards/chosen"] == got["rewards/rejected"] == 0.0
+    assert got["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert got["logps/chosen"] == pytest.approx(
+        shapes["standard"][1]["sigmoid"]["logps/chosen"], rel=1e-6
+    )

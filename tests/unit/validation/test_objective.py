@@ -38,6 +38,7 @@ def test_default_is_sft_and_dpo_composes():
          "objective.label_smoothing", "ignored by ipo, hinge"),
         (["peft=none", "objective.ref_adapter_path=x"], "objective.ref_adapter_path", "full fine-tuning"),
         (["objective.precompute_ref=true"], "objective.precompute_ref", "frozen copy"),
+        (["objective.ref_adapter_path=/nonexistent"], "objective.ref_adapter_path", "not a PEFT"),
     ],
 )  # fmt: skip
 def test_refusals_name_field_and_trl(overrides, field, words):
