@@ -5,8 +5,9 @@ load-balanced layout for causal attention (megatron.core.utils.get_batch_on_this
 early chunks attend few keys, the late ones many, so each rank gets one of each). megatron's
 RotaryEmbedding slices its angles the same way (get_pos_emb_on_this_cp_rank), so the rotary
 positions of a rank's tokens are their global ones. Tokens, labels, loss mask, position and segment
-ids (and a preference batch's pair_index and pair_side) are all sliced with the same index; the attention mask is built from the whole row first
-(models/local/cp_attention.py) so causality and document boundaries follow global positions.
+ids (and a preference batch's pair_index and pair_side) are all sliced with the same index; the
+attention mask is built from the whole row first (models/local/cp_attention.py) so causality and
+document boundaries follow global positions.
 
 Packed rows under CP (micro-batches made with `cu_seqlens_padded`, every document padded to a
 multiple of 2*cp) are split per DOCUMENT instead: each document's 2*cp chunks, rank r keeping

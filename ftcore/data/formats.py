@@ -1,9 +1,10 @@
 """`data.format=auto` (the default): the shape of the records decides how they are rendered.
 
 The first record of each training source is read (nothing is tokenized) and its keys choose:
-`chosen` + `rejected` -> preference (TRL's preference format, data/preference.py), `messages` -> chat, `prompt` + `completion` -> prompt_completion (TRL's prompt-completion
-format), `instruction` + `output` -> instruction, `text` -> text. A file whose first record has
-none of these is refused with the accepted shapes listed. An explicit `data.format` (or a mix
+`chosen` + `rejected` -> preference (TRL's preference format, data/preference.py), `messages` ->
+chat, `prompt` + `completion` -> prompt_completion (TRL's prompt-completion format),
+`instruction` + `output` -> instruction, `text` -> text. A file whose first record has none of
+these is refused with the accepted shapes listed. An explicit `data.format` (or a mix
 entry's own `format`) is used as given; a later record of another shape is a bad record
 (`data.on_bad_record`).
 """
@@ -87,3 +88,26 @@ def resolve(cfg, say: bool = True) -> None:
             )
     if say:
         log.info("data.format=auto: %s (from the first record)", "; ".join(chosen))
+
+
+def check_preference(cfg) -> None:
+    """Preference pairs go with the DPO objective and nothing else (a source of another format
+    in the mix, the prompt trained on, or the SFT loss on both completions would be wrong)."""
+    d = cfg.data
+    formats = {d.format} | {m.get("format") or d.format for m in d.mix or []}
+    objective = (cfg.get("objective") or {}).get("name")
+    if "preference" not in formats:
+        if objective == "dpo" and formats != {"auto"}:  # auto: checked once the records show it
+            raise FtcoreError(f"objective=dpo trains on preference pairs, not {d.format} records",
+                              field="data.format", fix="data.format=preference (records with "
+                              "prompt, chosen and rejected)")  # fmt: skip
+        return
+    if len(formats - {"auto"}) > 1:
+        raise FtcoreError(f"preference data mixed with {', '.join(sorted(formats - {'preference'}))}",
+                          field="data.mix", fix="give every source format=preference")  # fmt: skip
+    if objective not in (None, "dpo"):
+        raise FtcoreError(f"data.format=preference needs a preference objective, not {objective}",
+                          field="objective", fix="objective=dpo")  # fmt: skip
+    if d.train_on_prompt:
+        raise FtcoreError("preference losses count completion tokens only",
+                          field="data.train_on_prompt", fix="data.train_on_prompt=false")  # fmt: skip

@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from ftcore.config.schema import assets_dir
+from ftcore.data import formats
 from ftcore.data.packing import MicroBatch, attention_mask_from_segments, make_microbatch
 from ftcore.data.sampler import Sampler, rng
 from ftcore.data.samples import Docs, doc_learn, doc_lengths, doc_rows, per_sample, truncate
@@ -34,7 +35,7 @@ log = logging.getLogger("ftcore")
 
 
 def bundled_data(split: str, fmt: str | None = None) -> str:
-    """The bundled sample's split; data.format=preference: the preference pairs' (+exp=tiny_dpo)."""
+    """The bundled sample of a split: instruction records, or preference pairs for that format."""
     name = f"preference_{split}" if fmt == "preference" else split
     return str(assets_dir() / "data" / f"{name}.jsonl")
 
@@ -61,30 +62,7 @@ def _check(cfg) -> None:
             field="data.mix",
             fix="list every source in data.mix",
         )
-    check_preference(cfg)
-
-
-def check_preference(cfg) -> None:
-    """Preference pairs go with the DPO objective and nothing else (a source of another format
-    in the mix, the prompt trained on, or the SFT loss on both completions would be wrong)."""
-    d = cfg.data
-    formats = {d.format} | {m.get("format") or d.format for m in d.mix or []}
-    objective = (cfg.get("objective") or {}).get("name")
-    if "preference" not in formats:
-        if objective == "dpo":
-            raise FtcoreError(f"objective=dpo trains on preference pairs, not {d.format} records",
-                              field="data.format", fix="data.format=preference (records with "
-                              "prompt, chosen and rejected)")  # fmt: skip
-        return
-    if len(formats) > 1:
-        raise FtcoreError(f"preference data mixed with {', '.join(sorted(formats - {'preference'}))}",
-                          field="data.mix", fix="give every source format=preference")  # fmt: skip
-    if objective not in (None, "dpo"):
-        raise FtcoreError(f"data.format=preference needs a preference objective, not {objective}",
-                          field="objective", fix="objective=dpo")  # fmt: skip
-    if d.train_on_prompt:
-        raise FtcoreError("preference losses count completion tokens only",
-                          field="data.train_on_prompt", fix="data.train_on_prompt=false")  # fmt: skip
+    formats.check_preference(cfg)
 
 
 def train_sources(cfg) -> list[tuple[str, float, str | None, str]]:
@@ -226,21 +204,23 @@ class TrainLoader:
         self.report = self._report()
 
     def _report(self) -> dict:
-        rows = len(self.sampler.rows(0))
         ids = self.sampler.epoch_docs(0)  # the samples of epoch 0's rows, in another order
         g = self.docs.group
+        rows = len(self.sampler.rows(0))
+        slots = rows * self.seq_len * (1 if self.cfg.data.packing else g)  # unpacked pair: 2 rows
         tokens = int(per_sample(doc_lengths(self.docs.docs), g)[ids].sum())
         targets = int(per_sample(doc_learn(self.docs.docs), g)[ids].sum())
         return {
             "samples": len(ids),
+            "unit": "pairs" if g > 1 else "samples",
             "tokens": tokens,
             "target_tokens": targets,
             "dropped": self.docs.dropped,
             "truncated": self.docs.truncated,
             "bad_records": self.docs.bad_records,
             "rows": rows,
-            "packing_efficiency": targets / max(1, rows * self.seq_len),
-            "slot_fill": tokens / max(1, rows * self.seq_len),
+            "packing_efficiency": targets / max(1, slots),
+            "slot_fill": tokens / max(1, slots),
         }
 
     def next_rows(self) -> list[list[int]]:
@@ -265,10 +245,11 @@ class TrainLoader:
 def log_report(report: dict, what: str = "train") -> None:
     r = report
     log.info(
-        "data (%s): %d samples, %d tokens, %d target tokens, %d rows; dropped %d, truncated %d, bad records %d; "
+        "data (%s): %d %s, %d tokens, %d target tokens, %d rows; dropped %d, truncated %d, bad records %d; "
         "packing efficiency %.1f%% (target tokens / slot tokens; %.1f%% of slots hold tokens)",
         what,
         r["samples"],
+        r.get("unit", "samples"),
         r["tokens"],
         r["target_tokens"],
         r["rows"],
@@ -278,6 +259,10 @@ def log_report(report: dict, what: str = "train") -> None:
         100 * r["packing_efficiency"],
         100 * r["slot_fill"],
     )
+    if r["dropped"] and r.get("unit") == "pairs":
+        log.warning("%d preference pairs dropped: a prompt that fills data.seq_len (as TRL drops "
+                    "it), a sequence over it with data.truncate=drop, or, packed, two sequences "
+                    "longer than a row together; raise data.seq_len to keep them", r["dropped"])  # fmt: skip
 
 
 def _rank0() -> bool:

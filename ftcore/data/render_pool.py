@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 
+from ftcore.data import preference
 from ftcore.data.templates import BadRecord, Renderer
 
 CHUNK = 64  # records per task: large enough to amortise pickling, small enough to balance
@@ -57,10 +58,13 @@ def _render(chunk: list[tuple[str, object]]) -> list[tuple[str, object]]:
 
 
 def render_one(renderer: Renderer, rec) -> object:
-    """The record's Doc, or the BadRecord / RecordError that says why it has none."""
+    """The record's Doc (a preference record's Pair of two), or the BadRecord / RecordError that
+    says why it has none."""
     if isinstance(rec, Exception):
         return rec
     try:
+        if renderer.fmt == "preference":
+            return preference.pair(renderer, rec)
         return renderer.doc(rec)
     except BadRecord as e:
         return e

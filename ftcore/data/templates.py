@@ -295,12 +295,8 @@ class Renderer:
         return self.ids(self.render(msgs[:last], True)), msgs[last]["content"]
 
     def doc(self, rec) -> Doc:
-        """A record as token ids and target flags (a preference record: its two, as a
-        data.preference.Pair); raises BadRecord for bad records."""
-        if self.fmt == "preference":
-            from ftcore.data import preference
-
-            return preference.pair(self, rec)
+        """A record as token ids and target flags; raises BadRecord for bad records (preference
+        records become pairs in render_pool.render_one)."""
         if self.fmt == "text":
             if not isinstance(rec, dict):
                 raise BadRecord(f"a record must be a JSON object, got {type(rec).__name__}")

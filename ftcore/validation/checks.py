@@ -329,6 +329,9 @@ def check_layout(
     from ftcore.validation import preflight
 
     check_divisibility(cfg, world_size_of(cfg, launched))
+    from ftcore.data.formats import check_preference
+
+    check_preference(cfg)  # preference pairs go with objective=dpo, and it with them
     from ftcore.models import speed
 
     speed.check(cfg)  # overlap, recompute, fusions, CUDA graphs: ftcore's rules, then megatron's

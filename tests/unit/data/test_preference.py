@@ -17,6 +17,7 @@ from ftcore.data import cp, formats
 from ftcore.data.pipeline import build_train_loader, build_val_batches, set_steps_from_epochs
 from ftcore.data.tokenizer import load_tokenizer
 from ftcore.errors import FtcoreError
+from ftcore.validation import checks
 
 CHAT = Path(__file__).parents[2] / "data" / "preference_chat.jsonl"
 STANDARD = [
@@ -153,11 +154,33 @@ def test_pairs_stay_whole_and_count_as_samples(tmp_path, tok, packing):
     assert len(seen) == 80 and len(set(seen)) == 80  # one epoch: every sequence of every pair once
 
 
-def test_cp_slices_the_pair_tags_with_the_tokens(tmp_path, tok):
+def test_resume_position_counts_pairs(tmp_path, tok):
+    records = [
+        {"prompt": f"{i} + 1 =", "chosen": str(i + 1), "rejected": str(i)} for i in range(20)
+    ]
+    cfg = cfg_for(tmp_path, write(tmp_path / "p.jsonl", records), "train.global_batch_size=8")
+    ld = build_train_loader(cfg, tok, 0, 1)
+    assert ld.report["unit"] == "pairs" and ld.report["rows"] == 20
+    few = build_train_loader(cfg_for(tmp_path, cfg.data.path, "data.max_samples=5"), tok, 0, 1)
+    assert few.report["samples"] == 5  # data.max_samples counts pairs
+    ld.next_rows(), ld.next_rows()
+    state = ld.state_dict()
+    assert (state["epoch"], state["index"]) == (0, 16)
+    want = [ld.next_microbatches() for _ in range(2)]  # into the second epoch
+    again = build_train_loader(cfg, tok, 0, 1)
+    again.load_state_dict(state)
+    for mbs in want:
+        for a, b in zip(mbs, again.next_microbatches()):
+            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.pair_index, b.pair_index)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_cp_slices_the_pair_tags_with_the_tokens(tmp_path, tok, packing):
     path = write(tmp_path / "p.jsonl", STANDARD[:4])
-    cfg = cfg_for(tmp_path, path, "data.packing=true", "parallel.cp=2", "data.seq_len=64")
-    (mb,) = build_val_batches(cfg, tok, 0, 1, path=path)[0][:1]
-    assert mb.cu_seqlens_padded is not None and mb.num_pairs >= 2
+    cfg = cfg_for(tmp_path, path, f"data.packing={packing}", "parallel.cp=2", "data.seq_len=64")
+    mb = build_val_batches(cfg, tok, 0, 1, path=path)[0][0]
+    assert (mb.cu_seqlens_padded is not None) == packing and mb.num_pairs >= (2 if packing else 1)
+    assert mb.tokens.shape[1] % 4 == 0  # trimmed to what 2*cp divides
     parts = [cp.shard(mb, 2, r) for r in range(2)]
     for name in ("pair_index", "pair_side", "loss_mask"):
         whole = getattr(mb, name).gather(1, cp.gathered_row_positions(mb, 2))
@@ -205,6 +228,8 @@ def test_preference_is_detected_and_checked(tmp_path, tok):
         with pytest.raises(FtcoreError) as e:
             build_train_loader(cfg_for(tmp_path, path, extra), tok, 0, 1)
         assert e.value.field == field
+    with pytest.raises(FtcoreError, match="preference objective"):  # before anything is built
+        checks.validate(cfg_for(tmp_path, path, "++objective.name=sft"), 1)
     plain = write(tmp_path / "i.jsonl", [{"instruction": "q", "output": "a"}])
     with pytest.raises(FtcoreError, match="preference pairs") as e:
         build_train_loader(cfg_for(tmp_path, plain, "data.format=instruction", "++objective.name=dpo"),
@@ -212,9 +237,13 @@ def test_preference_is_detected_and_checked(tmp_path, tok):
     assert e.value.field == "data.format"
 
 
-def test_bundled_sample_is_what_its_script_writes(tmp_path):
+def test_bundled_sample_is_the_default_and_what_its_script_writes(tmp_path, tok):
     from ftcore.assets import make_preference
     from ftcore.config.schema import assets_dir
+
+    cfg = compose([f"data.cache_dir={tmp_path}/cache", "data.format=preference"])
+    assert build_train_loader(cfg, tok, 0, 1).report["samples"] == 400
+    assert sum(mb.num_pairs for b in build_val_batches(cfg, tok, 0, 1) for mb in b) == 60
 
     make_preference.main(["--out", str(tmp_path)])
     for name in ("preference_train.jsonl", "preference_val.jsonl"):
