@@ -81,7 +81,8 @@ def eval_case(hf_dir: str, run_dir: str, data: str, adapter: str, pairs: int) ->
     return out
 
 
-def trl_evaluate(hf_dir: str, adapter: str, records: list[dict], types: list[str], out: Path):
+def trl_trainer(hf_dir: str, adapter: str, records: list[dict], out: Path):
+    """TRL's DPOTrainer for the adapter: the PEFT model as the policy, the base as ref_model."""
     import torch
     from datasets import Dataset
     from peft import PeftModel
@@ -92,12 +93,18 @@ def trl_evaluate(hf_dir: str, adapter: str, records: list[dict], types: list[str
         return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
 
     args = DPOConfig(output_dir=str(out), per_device_eval_batch_size=1, use_cpu=True,
-                     report_to=[], loss_type=types, beta=0.1, max_length=None, bf16=False,
-                     padding_free=False, disable_tqdm=True)  # fmt: skip
+                     report_to=[], beta=0.1, max_length=None, bf16=False, padding_free=False,
+                     disable_tqdm=True)  # fmt: skip
     data = Dataset.from_list(records)
-    trainer = DPOTrainer(model=PeftModel.from_pretrained(base(), adapter), ref_model=base(),
-                         args=args, train_dataset=data, eval_dataset=data,
-                         processing_class=AutoTokenizer.from_pretrained(hf_dir))  # fmt: skip
+    return DPOTrainer(model=PeftModel.from_pretrained(base(), adapter), ref_model=base(),
+                      args=args, train_dataset=data, eval_dataset=data,
+                      processing_class=AutoTokenizer.from_pretrained(hf_dir))  # fmt: skip
+
+
+def trl_evaluate(trainer, types: list[str]) -> dict:
+    """evaluate() with these losses: the attributes DPOTrainer.__init__ sets from loss_type and
+    loss_weights (one trainer per record shape: its tokenized data and models are reused)."""
+    trainer.loss_types, trainer.loss_weights = list(types), [1.0] * len(types)
     return {k.removeprefix("eval_"): v for k, v in trainer.evaluate().items()}
 
 
@@ -116,13 +123,18 @@ def runs(pool1, tmp_path_factory):
     return hf_dir, adapter, shapes, root
 
 
+@pytest.fixture(scope="module")
+def trl(runs):
+    hf_dir, adapter, shapes, root = runs
+    return {s: trl_trainer(hf_dir, adapter, shapes[s][0], root / f"trl_{s}") for s in shapes}
+
+
 @pytest.mark.parametrize("shape", ["standard", "conversational"])
 @pytest.mark.parametrize("loss", list(LOSSES))
-def test_ftcore_eval_gives_trls_numbers(runs, shape, loss):
-    hf_dir, adapter, shapes, root = runs
-    records, ours = shapes[shape]
+def test_ftcore_eval_gives_trls_numbers(runs, trl, shape, loss):
+    records, ours = runs[2][shape]
     ours = ours[loss]
-    want = trl_evaluate(hf_dir, adapter, records, LOSSES[loss], root / f"trl_{shape}_{loss}")
+    want = trl_evaluate(trl[shape], LOSSES[loss])
     assert ours["pairs"] == len(records)
     assert ours["rewards/accuracies"] == want["rewards/accuracies"]
     for k in ("loss", *KEYS):
