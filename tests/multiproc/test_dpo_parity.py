@@ -1,7 +1,7 @@
 """DPO on every layout (issue 44): five LoRA DPO steps at TP=2 (+SP), PP=2, DP=2 (distributed
 optimizer) and CP=2 give the one-process losses and rewards/margins to 1e-5; full fine-tuning DPO
-(the frozen reference copy) does too at TP=2; a DPO run stopped after 3 steps and resumed gives the
-uninterrupted run's last two losses. The one-process references are shared; each run is the same
+(the frozen reference copy) does too at TP=2; a full fine-tuning DPO run stopped after 3 steps and
+resumed gives the uninterrupted run's last two losses. The one-process references are shared; each run is the same
 config with only the layout changed."""
 
 from __future__ import annotations
@@ -99,5 +99,6 @@ def test_full_dpo_at_tp2_matches_one_process(pool2, reference, tmp_path):
 
 
 def test_resumed_dpo_run_gives_the_uninterrupted_losses(pool1, reference, tmp_path):
-    got = pool1.run(steps_case, LORA, str(tmp_path), resume_at=3)[0]
-    _agree(got, reference("lora"))
+    """Full fine-tuning: the resumed run's reference is the starting weights, not the restored."""
+    got = pool1.run(steps_case, FULL, str(tmp_path), resume_at=3)[0]
+    _agree(got, reference("full"))
