@@ -75,7 +75,9 @@ def resolve(cfg, say: bool = True) -> None:
                 chosen.append(f"{m.path}: {m.format}")
         d.format = d.mix[0].format
     else:
-        path = d.path or str(assets_dir() / "data" / "train.jsonl")  # pipeline.bundled_data
+        pairs = (cfg.get("objective") or {}).get("name") == "dpo"  # the bundled pairs, then
+        name = "preference_train" if pairs else "train"  # pipeline.bundled_data
+        path = d.path or str(assets_dir() / "data" / f"{name}.jsonl")
         d.format = detect_source(path)
         chosen.append(f"{path}: {d.format}")
     if d.val_path:  # validation records are rendered as the training ones are

@@ -243,6 +243,9 @@ def test_bundled_sample_is_the_default_and_what_its_script_writes(tmp_path, tok)
 
     cfg = compose(["objective=dpo", f"data.cache_dir={tmp_path}/cache", "data.format=preference"])
     assert build_train_loader(cfg, tok, 0, 1).report["samples"] == 400
+    dpo = compose(["++objective.name=dpo"])  # data.format=auto: the bundled pairs under dpo
+    formats.resolve(dpo, say=False)
+    assert dpo.data.format == "preference"
     assert sum(mb.num_pairs for b in build_val_batches(cfg, tok, 0, 1) for mb in b) == 60
 
     make_preference.main(["--out", str(tmp_path)])
