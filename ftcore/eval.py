@@ -40,6 +40,8 @@ def evaluate(cfg: DictConfig, state=None) -> dict:
                           fix="data with answers (or data.format=text, every token a target)")  # fmt: skip
     loss = res.loss
     result = {"loss": loss, "tokens": res.tokens, "ppl": math.exp(min(loss, 700.0))}
+    if state.cfg.objective.name == "dpo":  # pairs: the loss and TRL's metrics, means over pairs
+        result = {"loss": loss, "pairs": res.pairs, "tokens": res.tokens, **res.metrics}
     if state.cfg.eval.accuracy:  # greedy exact match on the same (instruction/chat) data
         from ftcore.inference.exact_match import exact_match
 
@@ -51,13 +53,12 @@ def evaluate(cfg: DictConfig, state=None) -> dict:
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(json.dumps(result) + "\n")
         os.replace(tmp, out)
-        log.info(
-            "eval: loss %.6f over %d target tokens (ppl %.3f) -> %s",
-            loss,
-            result["tokens"],
-            result["ppl"],
-            out,
-        )
+        if "pairs" in result:
+            log.info("eval: loss %.6f over %d pairs, rewards/accuracies %.4f -> %s", loss,
+                     result["pairs"], result["rewards/accuracies"], out)  # fmt: skip
+        else:
+            log.info("eval: loss %.6f over %d target tokens (ppl %.3f) -> %s", loss,
+                     result["tokens"], result["ppl"], out)  # fmt: skip
     return result
 
 

@@ -218,6 +218,23 @@ class PeftConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    """What a step minimises (docs/preference.md): sft (next-token cross entropy) or dpo
+    (preference pairs, TRL 1.x's definitions)."""
+
+    name: str = "sft"  # sft | dpo
+    beta: float = 0.1  # dpo: the KL strength (TRL's beta)
+    # dpo: TRL's loss names (sigmoid, ipo, hinge, sft), summed with loss_weights (null: 1.0 each)
+    loss_type: list[str] = field(default_factory=lambda: ["sigmoid"])
+    loss_weights: Optional[list[float]] = None
+    label_smoothing: float = 0.0  # dpo, sigmoid only (conservative DPO), in [0, 0.5)
+    # dpo with LoRA: the reference is the base plus this adapter, and the policy starts from it
+    ref_adapter_path: Optional[str] = None
+    # dpo, full fine-tuning: reference log-probs from a first pass over the data, stored per pair
+    precompute_ref: bool = False
+
+
+@dataclass
 class PrecisionConfig:
     name: str = "fp32"
     params_dtype: str = "fp32"  # fp32 | bf16: compute and parameter dtype of the base
@@ -378,6 +395,7 @@ class FtcoreConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -187,7 +187,10 @@ class LoraParallelLinear(nn.Module):
     """A frozen megatron linear (`base_layer`) plus LoRA adapters on some of its slices.
 
     Parameters: `lora_A.<key>` (key: a slice's HF name, or the megatron name for a shared A) and
-    `lora_B.<slice>`. Forward returns the base's (output, bias) with the adapter output added."""
+    `lora_B.<slice>`. Forward returns the base's (output, bias) with the adapter output added;
+    with `adapters_on` false the base's alone (DPO's reference: peft/reference.py)."""
+
+    adapters_on = True
 
     def __init__(
         self,
@@ -275,6 +278,8 @@ class LoraParallelLinear(nn.Module):
         return self._fused_layout
 
     def forward(self, x, *args, **kwargs):
+        if not self.adapters_on:
+            return self._base(x, *args, **kwargs)
         if self._plain_base(args, kwargs) and (self.dropout == 0.0 or not self.training):
             w = self.base_layer.weight
             return fused.lora_linear(x, w, self._layout(), self.scale, self.lora_A.values(),

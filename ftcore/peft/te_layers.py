@@ -50,6 +50,8 @@ class TELoraParallelLinear(LoraParallelLinear):
         adapter_in = x
         if self.fused_norm:
             out, adapter_in = out  # (GEMM output, norm output)
+        if not self.adapters_on:  # DPO's reference (peft/reference.py)
+            return out, bias
         with adapter_autocast_off():
             delta = self.lora_delta(high_precision(adapter_in))
         return out + delta.to(out.dtype), bias

@@ -78,6 +78,22 @@ class Shape:
         return self.h // self.tp if self.sp else self.h
 
 
+def _dpo(cfg) -> bool:
+    o = getattr(cfg, "objective", None)
+    return o is not None and o.name == "dpo"
+
+
+def rows_per_item(cfg) -> int:
+    """objective=dpo unpacked: train.micro_batch_size counts pairs, each two rows (chosen,
+    rejected); packed, it counts rows, each holding whole pairs."""
+    return 2 if _dpo(cfg) and not cfg.data.packing else 1
+
+
+def reference_forwards(cfg) -> int:
+    """objective=dpo: one forward of the reference per micro-batch, before the policy's."""
+    return 1 if _dpo(cfg) else 0
+
+
 def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
     m, p, pr = cfg.model, cfg.parallel, cfg.precision
     d = m.kv_channels or m.hidden_size // m.num_attention_heads
@@ -90,7 +106,7 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
     return Shape(
         s=cfg.data.seq_len,
         sl=cfg.data.seq_len // p.cp,
-        b=micro_batch or cfg.train.micro_batch_size,
+        b=(micro_batch or cfg.train.micro_batch_size) * rows_per_item(cfg),
         h=m.hidden_size,
         q=m.num_attention_heads * d,
         kv=m.num_query_groups * d,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from ftcore.planner.activations import MLP_LINEARS, shape_of
+from ftcore.planner.activations import MLP_LINEARS, reference_forwards, rows_per_item, shape_of
 from ftcore.planner.layers import split_layers
 from ftcore.planner.params import linear_shapes, lora_params, lora_plan, padded_vocab
 
@@ -39,9 +39,11 @@ def attention_flops_per_token(cfg: DictConfig) -> float:
 
 
 def model_flops_per_token(cfg: DictConfig) -> float:
+    """objective=dpo adds the reference's forward: 2N' + a third of the attention term."""
+    ref = reference_forwards(cfg) * (2.0 * n_prime(cfg) + attention_flops_per_token(cfg) / 3)
     if cfg.peft.name in ("lora", "qlora"):
-        return 4.0 * n_prime(cfg)
-    return 6.0 * n_prime(cfg) + attention_flops_per_token(cfg)
+        return 4.0 * n_prime(cfg) + ref
+    return 6.0 * n_prime(cfg) + attention_flops_per_token(cfg) + ref
 
 
 def attention_forward_flops(cfg: DictConfig) -> float:
@@ -50,7 +52,7 @@ def attention_forward_flops(cfg: DictConfig) -> float:
     CPU's local spec computes every score, masked: twice that."""
     m, p = cfg.model, cfg.parallel
     d = m.kv_channels or m.hidden_size // m.num_attention_heads
-    tokens = cfg.data.seq_len // p.cp * cfg.train.micro_batch_size
+    tokens = cfg.data.seq_len // p.cp * cfg.train.micro_batch_size * rows_per_item(cfg)
     fwd = 2.0 * tokens * cfg.data.seq_len * m.num_attention_heads * d / p.tp
     return fwd * (2 if cfg.cluster.device == "cpu" else 1)
 
@@ -68,10 +70,12 @@ class Work:
 def micro_batch_work(cfg: DictConfig, pp_rank: int) -> Work:
     m, p = cfg.model, cfg.parallel
     tp = p.tp
-    tokens = cfg.data.seq_len // p.cp * cfg.train.micro_batch_size
+    tokens = cfg.data.seq_len // p.cp * cfg.train.micro_batch_size * rows_per_item(cfg)
     full = cfg.peft.name == "none"
     recompute_fwd = 1 if p.recompute == "full" else 0
-    passes = (3 if full else 2) + recompute_fwd  # forward, dgrad, (wgrad), (recomputed forward)
+    ref = reference_forwards(cfg)  # DPO's reference forward (base GEMMs, attention, LM head)
+    # forward, dgrad, (wgrad), (recomputed forward), (the reference's forward)
+    passes = (3 if full else 2) + recompute_fwd + ref
     shapes = linear_shapes(m, tp)
     lin = sum(o * i for o, i in shapes.values())
     adapters_of = {  # adapter parameters per linear
@@ -95,7 +99,7 @@ def micro_batch_work(cfg: DictConfig, pp_rank: int) -> Work:
     fwd = attention_forward_flops(cfg)
     modules = getattr(p, "recompute_modules", ["core_attn"]) if p.recompute == "selective" else []
     attn_again = p.recompute == "full" or "core_attn" in modules
-    w.attention = fwd * (1 + FLASH_BWD + (1 if attn_again else 0)) * w.layers
+    w.attention = fwd * (1 + FLASH_BWD + (1 if attn_again else 0) + ref) * w.layers
     if "mlp" in modules:  # selective MLP recompute: fc1, fc2 (and their adapters) run forward twice
         mlp = 2.0 * tokens * sum(o * i for k, (o, i) in shapes.items() if k in MLP_LINEARS)
         if quant:
@@ -108,7 +112,7 @@ def micro_batch_work(cfg: DictConfig, pp_rank: int) -> Work:
         # target positions only (models/target_logits.py)
         sh = shape_of(cfg)
         head = 2.0 * sh.target_tokens * padded_vocab(m.vocab_size, tp) // tp * m.hidden_size
-        w.gemm_base += head * (3 if full else 2)
+        w.gemm_base += head * ((3 if full else 2) + ref)
         if sh.mlp_picks and split[pp_rank][-1] > 0:
             skipped = 1 - sh.target_tokens / sh.tokens
             picked = MLP_LINEARS + (("linear_proj",) if sh.attn_picks else ())

@@ -167,7 +167,7 @@ def _model_state(cfg, pp_rank: int, dp: int, dp_rank: int) -> dict[str, int]:
     loaded = bool(cfg.model.hf_path or cfg.model.init_path)
     on_cpu = cfg.cluster.device == "cpu"
     out = dict(weights=0, grads=0, optimizer=0, frozen=0, trainable=0, quantized_cache=0,
-               elements=0, load_resident=0, load_in_flight=0)  # fmt: skip
+               elements=0, load_resident=0, load_in_flight=0, reference=0)  # fmt: skip
     for chunk in rank_params(cfg, pp_rank):
         trainable = [q for q in chunk if q.trainable]
         for q in chunk:
@@ -211,7 +211,11 @@ def _model_state(cfg, pp_rank: int, dp: int, dp_rank: int) -> dict[str, int]:
         out["optimizer"] += elems * (main + 8) + (
             tensors * 4 if on_cpu else 0
         )  # + torch Adam's step
-    out["weights"] = out["frozen"] + out["trainable"] + out["quantized_cache"]
+    if act.reference_forwards(cfg) and cfg.peft.name == "none":
+        # full fine-tuning DPO: a frozen copy of the starting weights, sharded like the policy
+        # (training/dpo.py); LoRA's reference is the same model with its adapters off
+        out["reference"] = out["elements"] * pb
+    out["weights"] = out["frozen"] + out["trainable"] + out["quantized_cache"] + out["reference"]
     return out
 
 
@@ -265,6 +269,7 @@ def stage_memory(
             frozen_weights=state["frozen"],
             trainable_weights=state["trainable"],
             quantized_weights=state["quantized_cache"],
+            reference_weights=state["reference"],
             layer_activation=layer,
             layers_in_flight=layer_mb,
             saved_activations=saved,

@@ -154,11 +154,11 @@ def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
     t += w.layers * unfused_swiglu_bytes(cfg, sh) / hbm
     if pp_rank == p.pp - 1:
         t += sh.target_tokens * sh.vocab / sh.tp * 20 / hbm  # logits, fp32 softmax, its gradient
-    passes = 2 + (1 if p.recompute == "full" else 0)
+    passes = 2 + (1 if p.recompute == "full" else 0) + act.reference_forwards(cfg)
     # host cost per layer and micro-batch (Python, autograd, kernel launches; sequence parallelism
     # adds its gathers and scatters); a full recompute runs the forward (a third of it) twice
     host = k.layer_overhead_s + (k.sp_layer_overhead_s if p.sp else 0.0)
-    t += w.layers * host * (4 if p.recompute == "full" else 3) / 3
+    t += w.layers * host * ((4 if p.recompute == "full" else 3) + act.reference_forwards(cfg)) / 3
     comm = 0.0
     if p.tp > 1:
         vol = 4 * (p.tp - 1) / p.tp * sh.tokens * sh.h * sh.ab * passes * w.layers
@@ -183,7 +183,7 @@ def step_time(cfg: DictConfig, world: int) -> StepTime:
     sh = act.shape_of(cfg)
     pp_comm = 0.0
     if p.pp > 1:
-        sends = 2 * p.vp * m * sh.tokens * sh.hs * sh.ab
+        sends = (2 + act.reference_forwards(cfg)) * p.vp * m * sh.tokens * sh.hs * sh.ab
         pp_comm = exposed(cfg, "p2p") * sends / _link(cfg, p.tp * p.cp * dp * p.pp)
     dp_comm = opt = 0.0
     dpc = dp * p.cp
@@ -209,7 +209,7 @@ def throughput(cfg: DictConfig, world: int) -> dict:
     host's probed rate where it asks (host_probe), so it stays below the matmul efficiency (< 1)."""
     cfg = host.measured(view(cfg))
     st = step_time(cfg, world)
-    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len * act.rows_per_item(cfg)
     tps = tokens / st.total / world
     tflops = tps * model_flops_per_token(cfg) / 1e12
     if cfg.cluster.device == "cpu":  # a CPU computes in the run's own dtype (its bf16 may be slow)

@@ -9,7 +9,7 @@ micro-batching, packing) and every rank returns the same numbers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from megatron.core import parallel_state as ps
@@ -22,6 +22,9 @@ from ftcore.training.step import run_batches
 class EvalResult:
     loss: float  # loss sum / target tokens (0.0 when there are none)
     tokens: int  # target tokens, over the world
+    # objective=dpo: loss is the mean over `pairs`, and so is each of rewards/*, logps/*
+    pairs: int = 0
+    metrics: dict = field(default_factory=dict)
 
 
 def held_out_batches(state, path: str | None = None) -> list:
@@ -39,6 +42,8 @@ def evaluate(state, batches: list) -> EvalResult:
     total, tokens = 0.0, 0.0
     try:
         with torch.no_grad():
+            if state.cfg.objective.name == "dpo":
+                return _evaluate_pairs(state, batches)
             for microbatches in batches:
                 s, n = run_batches(state, microbatches, forward_only=True)
                 total, tokens = total + s, tokens + n
@@ -46,3 +51,17 @@ def evaluate(state, batches: list) -> EvalResult:
         for chunk in state.model:
             chunk.train()
     return EvalResult(loss=total / max(tokens, 1.0), tokens=int(tokens))
+
+
+def _evaluate_pairs(state, batches: list) -> EvalResult:
+    """objective=dpo: every value a mean over the pairs of all batches."""
+    from ftcore.training.dpo import run_pairs
+
+    pairs, tokens, sums = 0, 0, {}
+    for microbatches in batches:
+        r = run_pairs(state, microbatches, forward_only=True)
+        pairs, tokens = pairs + r.pairs, tokens + r.tokens
+        for k, v in {"loss": r.loss, **r.metrics}.items():
+            sums[k] = sums.get(k, 0.0) + v * r.pairs
+    means = {k: v / max(pairs, 1) for k, v in sums.items()}
+    return EvalResult(loss=means.pop("loss", 0.0), tokens=tokens, pairs=pairs, metrics=means)

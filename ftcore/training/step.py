@@ -94,8 +94,14 @@ def local_batch(whole: MicroBatch, cp: int, cp_rank: int, device) -> MicroBatch:
     return cp_shard.shard(whole, cp, cp_rank, pin=pin_host_batches(device))
 
 
-def forward_step(data_iterator, model):
-    """One micro-batch through this stage's chunk; the loss only on the last stage.
+def lm_loss(whole: MicroBatch, mb: MicroBatch, vocab_size: int, rows):
+    """The next-token loss of a micro-batch (`mb`, this CP rank's slice of `whole`)."""
+    return partial(loss_func, mb, vocab_size, rows)
+
+
+def forward_step(data_iterator, model, make_loss=lm_loss):
+    """One micro-batch through this stage's chunk; the loss only on the last stage
+    (`make_loss(whole, mb, vocab, rows)` builds it: the LM loss, or DPO's, training/dpo.py).
 
     On CPU (local attention) packed documents are kept apart by a block-diagonal causal mask; on
     GPU with Transformer Engine, packed rows go in as THD (cu_seqlens) and plain rows as causal.
@@ -144,7 +150,7 @@ def forward_step(data_iterator, model):
     ):
         tokens, positions = to_device(mb.tokens, device), to_device(mb.position_ids, device)
         output = model(tokens, positions, mask, **kwargs)
-    return output, partial(loss_func, mb, chunk.vocab_size_unpadded, rows)
+    return output, make_loss(whole, mb, chunk.vocab_size_unpadded, rows)
 
 
 def reduce_sums(values: list[float], contribute: bool) -> list[float]:
@@ -180,15 +186,26 @@ def run_batches(
 ) -> tuple[float, float]:
     """forward(+backward) of one global batch; returns (loss sum, target tokens) over the world.
     `timers` (training/timing.py) goes to megatron's schedule for this call only."""
+    out = schedule(state, microbatches, forward_only=forward_only, timers=timers)
+    loss_sum, n = reduce_sums(loss_sums(out), is_loss_rank())
+    return loss_sum, n
+
+
+def schedule(
+    state, microbatches: list, *, forward_only: bool, timers=None, step=forward_step, model=None
+) -> list:
+    """megatron's schedule over one global batch: `step` per micro-batch through `model`'s chunks
+    (default the trained ones); the loss functions' outputs of this rank's last stage."""
     cfg = state.cfg
-    config = state.model[0].config
+    model = model or state.model
+    config = model[0].config
     config.timers = timers
     try:
         with cpu.device_mode():
             out = get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=microbatch_iterators(microbatches, len(state.model)),
-                model=state.model if len(state.model) > 1 else state.model[0],
+                forward_step_func=step,
+                data_iterator=microbatch_iterators(microbatches, len(model)),
+                model=model if len(model) > 1 else model[0],
                 num_microbatches=len(microbatches),
                 seq_length=microbatches[0].tokens.shape[1],  # seq_len, or less when trimmed
                 micro_batch_size=cfg.train.micro_batch_size,
@@ -196,5 +213,4 @@ def run_batches(
             )
     finally:
         config.timers = None
-    loss_sum, n = reduce_sums(loss_sums(out), is_loss_rank())
-    return loss_sum, n
+    return out

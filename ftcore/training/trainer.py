@@ -72,6 +72,9 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # before the process group
     formats.resolve(cfg, say=rank == "0")  # data.format=auto: what the records show
     adapt(cfg, training=training, say=rank == "0")
+    o = cfg.objective
+    if o.name == "dpo" and o.ref_adapter_path and not cfg.peft.adapter_path:
+        cfg.peft.adapter_path = o.ref_adapter_path  # the policy starts as the reference (TRL)
     # 2. Validate in the pinned order before anything heavy exists.
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     dp = checks.validate(cfg, launched, training=training)  # eval/generate: as checked at launch
@@ -118,6 +121,10 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
         from ftcore.peft.lora import apply_peft
 
         apply_peft(cfg, chunks)
+    if cfg.objective.name == "dpo":  # the reference: in the policy (LoRA) or a frozen copy
+        from ftcore.training.dpo import build_reference
+
+        state.extra["reference"] = build_reference(cfg, chunks)
     # 9. Data: this DP rank's shard of a layout-independent global order. Before the schedule:
     #    with train.epochs, the step count comes from the data size.
     dp_rank = ps.get_data_parallel_rank()
@@ -170,16 +177,26 @@ def train_step(state: TrainState) -> dict:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
     moe = moe_metrics.is_moe(state.model)
+    metrics = {}
     with timed(timers, FWD_BWD):
-        scaled = (
-            moe_metrics.scaled_step(state, microbatches, is_data_rank()) if moe else nullcontext()
-        )
-        with scaled:
-            loss_sum, target_tokens = run_batches(
-                state, microbatches, forward_only=False, timers=timers
+        if cfg.objective.name == "dpo":  # mean over pairs; rewards/*, logps/* (training/dpo.py)
+            from ftcore.training.dpo import run_pairs
+
+            res = run_pairs(state, microbatches, forward_only=False, timers=timers)
+            loss, target_tokens, metrics = res.loss, res.tokens, res.metrics
+        else:
+            scaled = (
+                moe_metrics.scaled_step(state, microbatches, is_data_rank())
+                if moe
+                else nullcontext()
             )
-    extra = moe_metrics.collect(state) if moe else {}  # aux_loss, expert load (docs/moe.md)
-    loss = loss_sum / max(target_tokens, 1.0)
+            with scaled:
+                loss_sum, target_tokens = run_batches(
+                    state, microbatches, forward_only=False, timers=timers
+                )
+            loss = loss_sum / max(target_tokens, 1.0)
+    if moe:
+        metrics.update(moe_metrics.collect(state))  # aux_loss, expert load (docs/moe.md)
     if not math.isfinite(loss):
         return {
             "loss": loss,
@@ -207,7 +224,7 @@ def train_step(state: TrainState) -> dict:
         "grad_norm": norm,
         "tokens": int(tokens),
         "target_tokens": int(target_tokens),
-        **extra,
+        "metrics": metrics,
     }
 
 
@@ -266,7 +283,7 @@ def fit(state: TrainState) -> None:
                 "peak_mem_gib": metrics_mod.peak_mem_gib(),
             }
             record.update(metrics_mod.throughput_fields(cfg, record["tokens_per_s_per_gpu"]))
-            record.update({k: out[k] for k in moe_metrics.FIELDS if k in out})
+            record.update(out["metrics"])  # dpo: rewards/*, logps/*; MoE: aux_loss, expert load
             writer.write(record)
             state.extra["last_loss"] = out["loss"]
             t0 = time.perf_counter()
@@ -298,8 +315,10 @@ def fit(state: TrainState) -> None:
 
 def _evaluate(state: TrainState, writer) -> None:
     """The validation loss now: a metrics.jsonl line, and the end summary's."""
-    val = evaluate(state, state.val_batches[: state.cfg.eval.iters]).loss
-    writer.write({"step": state.step, "eval_loss": val})
+    res = evaluate(state, state.val_batches[: state.cfg.eval.iters])
+    val = res.loss
+    extra = {f"eval_{k}": v for k, v in res.metrics.items()}  # dpo: TRL's eval_rewards/... names
+    writer.write({"step": state.step, "eval_loss": val, **extra})
     state.extra.setdefault("eval_losses", []).append((state.step, val))
 
 

@@ -50,6 +50,9 @@ def check_choices(cfg: DictConfig) -> None:
         if value not in allowed:
             raise FtcoreError(f"{value!r} is not one of {', '.join(allowed)}", field=key,
                               fix=f"{key}={allowed[0]} (or {', '.join(allowed[1:])})")  # fmt: skip
+    from ftcore.validation.objective import check_objective
+
+    check_objective(cfg)  # objective=dpo: TRL's loss names, label_smoothing, the reference
 
 
 def tp_choices(cfg: DictConfig, world: int | None = None) -> str:

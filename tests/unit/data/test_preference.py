@@ -48,7 +48,7 @@ def write(path: Path, records: list) -> str:
 
 
 def cfg_for(tmp: Path, data: str, *extra: str):
-    return compose([f"data.cache_dir={tmp}/cache", f"data.path={data}", "data.format=preference",
+    return compose(["objective=dpo", f"data.cache_dir={tmp}/cache", f"data.path={data}", "data.format=preference",
                     "data.seq_len=40", "train.global_batch_size=4", "train.micro_batch_size=2",
                     *extra])  # fmt: skip
 
@@ -241,7 +241,7 @@ def test_bundled_sample_is_the_default_and_what_its_script_writes(tmp_path, tok)
     from ftcore.assets import make_preference
     from ftcore.config.schema import assets_dir
 
-    cfg = compose([f"data.cache_dir={tmp_path}/cache", "data.format=preference"])
+    cfg = compose(["objective=dpo", f"data.cache_dir={tmp_path}/cache", "data.format=preference"])
     assert build_train_loader(cfg, tok, 0, 1).report["samples"] == 400
     dpo = compose(["++objective.name=dpo"])  # data.format=auto: the bundled pairs under dpo
     formats.resolve(dpo, say=False)

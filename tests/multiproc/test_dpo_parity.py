@@ -1,0 +1,104 @@
+"""DPO on every layout (issue 44): five LoRA DPO steps at TP=2 (+SP), PP=2, DP=2 (distributed
+optimizer) and CP=2 give the one-process losses and rewards/margins to 1e-5; full fine-tuning DPO
+(the frozen reference copy) does too at TP=2; a full fine-tuning DPO run stopped after 3 steps and
+resumed gives the uninterrupted run's last two losses. The one-process references are shared; each run is the same
+config with only the layout changed."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from ftcore.config.schema import assets_dir
+from tests.support.tiny import TINY
+
+STEPS = 5
+DATA = str(Path(assets_dir(), "data", "preference_train.jsonl"))
+BASE = [*TINY, "objective=dpo", "data.format=preference", f"data.path={DATA}", "data.seq_len=64",
+        "train.global_batch_size=4", "train.micro_batch_size=1",
+        "sched.warmup_steps=0", f"train.max_steps={STEPS}"]  # fmt: skip
+LORA = ["peft=lora", "peft.r=4", "peft.lora_alpha=8", "optim.lr=5e-3",
+        "peft.target_modules=[q_proj,v_proj,o_proj,down_proj]"]  # fmt: skip
+FULL = ["optim.lr=1e-4", "sched.min_lr=0"]
+LAYOUTS = {
+    "tp2": ["parallel.tp=2", "parallel.sp=true"],
+    "pp2": ["parallel.pp=2"],
+    "dp2": ["parallel.distributed_optimizer=true"],
+    "cp2": ["parallel.cp=2"],
+}
+
+
+def steps_case(overrides: list[str], run_dir: str, resume_at: int = 0) -> list[dict]:
+    """Worker: the run's per-step loss and rewards/margins (resume_at: stop and save after that
+    many steps, then a fresh setup resumes from the checkpoint and runs to the end)."""
+    from ftcore.checkpoint import store
+    from ftcore.config.schema import compose
+    from ftcore.training import trainer
+
+    def run(stop: int) -> list[dict]:
+        state = trainer.setup(compose([*BASE, *overrides, f"run.dir={run_dir}"]))
+        out = []
+        while state.step < stop:
+            r = trainer.train_step(state)
+            state.step += 1
+            m = r["metrics"]
+            out.append(
+                {"loss": r["loss"], "margin": m["rewards/margins"], "logps": m["logps/chosen"]}
+            )
+        if resume_at:
+            store.save(state, blocking=True)
+            store.wait(state)
+        return out
+
+    if not resume_at:
+        return run(STEPS)
+    first = run(resume_at)
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    return first + run(STEPS)
+
+
+@pytest.fixture(scope="module")
+def reference(pool1, tmp_path_factory):
+    cache = {}
+
+    def get(method: str) -> list[dict]:
+        if method not in cache:
+            d = tmp_path_factory.mktemp(f"ref-{method}")
+            over = LORA if method == "lora" else FULL
+            cache[method] = pool1.run(steps_case, over, str(d))[0]
+        return cache[method]
+
+    return get
+
+
+def _agree(got: list[dict], ref: list[dict]) -> None:
+    assert len(got) == len(ref) == STEPS
+    for g, r in zip(got, ref):
+        assert math.isclose(g["loss"], r["loss"], rel_tol=1e-5), (got, ref)
+        assert math.isclose(g["logps"], r["logps"], rel_tol=1e-5), (got, ref)
+        # a margin is a difference of log-prob sums (~ -40): their rounding, times beta
+        assert math.isclose(g["margin"], r["margin"], rel_tol=1e-5, abs_tol=1e-6), (got, ref)
+    assert max(abs(r["margin"]) for r in ref) > 1e-3, "the steps trained nothing"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_dpo_layout_matches_one_process(layout, pool2, reference, tmp_path):
+    got = pool2.run(steps_case, [*LORA, *LAYOUTS[layout]], str(tmp_path))[0]
+    _agree(got, reference("lora"))
+
+
+@pytest.mark.dist
+def test_full_dpo_at_tp2_matches_one_process(pool2, reference, tmp_path):
+    got = pool2.run(steps_case, [*FULL, *LAYOUTS["tp2"]], str(tmp_path))[0]
+    _agree(got, reference("full"))
+
+
+def test_resumed_dpo_run_gives_the_uninterrupted_losses(pool1, reference, tmp_path):
+    """Full fine-tuning: the resumed run's reference is the starting weights, not the restored."""
+    got = pool1.run(steps_case, FULL, str(tmp_path), resume_at=3)[0]
+    _agree(got, reference("full"))
