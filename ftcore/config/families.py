@@ -34,6 +34,8 @@ FAMILIES = {
         Family("qwen3", "Qwen3ForCausalLM", "qwen3", qk_layernorm=True,
                export_keys={"attention_bias": False}),
         Family("mistral", "MistralForCausalLM", "mistral"),
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", qk_layernorm=True),
+        Family("mixtral", "MixtralForCausalLM", "mixtral"),
     )
 }  # fmt: skip
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}

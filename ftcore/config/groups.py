@@ -77,6 +77,14 @@ class ModelConfig:
     # adapters (peft=lora/qlora) on a random base are refused unless this is set: for benchmarks
     # and tests that need no real weights
     allow_random_base: bool = False
+    # mixture of experts (None = dense): HF num_experts / num_local_experts
+    num_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None  # HF moe_intermediate_size (Mixtral: intermediate_size)
+    moe_router_topk: int = 2
+    moe_norm_topk_prob: bool = True
+    # layers with a dense MLP of ffn_hidden_size (HF mlp_only_layers, decoder_sparse_step)
+    moe_dense_layers: list[int] = field(default_factory=list)
+    moe_aux_loss_coeff: float = 0.0  # HF router_aux_loss_coef
 
 
 @dataclass
@@ -108,6 +116,8 @@ class ParallelConfig:
     # GPU: TP/SP collectives split and hidden behind the GEMMs by TE userbuffers (with tp > 1:
     # needs parallel.sp, TE and fixed sequence shapes; a no-op at tp = 1)
     tp_comm_overlap: bool = False
+    ep: int = 1  # expert parallel
+    etp: int = 1  # expert tensor parallel
 
 
 @dataclass
@@ -295,6 +305,9 @@ class PlanConfig:
     # of the job's world) and check it against the planner: `dry_build` in the plan, exit 2 when a
     # tensor is off the device or a count differs (ftcore/training/dry_build.py)
     dry_build: bool = False
+    # MoE, dropless: the busiest expert's routed tokens over the mean, applied to an EP rank's
+    # routed activations and expert time (docs/planner.md); a capacity factor bounds it instead
+    moe_imbalance: float = 1.5
 
 
 @dataclass
@@ -342,6 +355,15 @@ class BenchConfig:
 
 
 @dataclass
+class MoeConfig:
+    capacity_factor: Optional[float] = None  # None = dropless
+    z_loss_coeff: Optional[float] = None
+    aux_loss_coeff: Optional[float] = None  # None = model.moe_aux_loss_coeff
+    router_dtype: str = "fp32"
+    dispatcher: str = "alltoall"
+
+
+@dataclass
 class FtcoreConfig:
     run: RunConfig = field(default_factory=RunConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
@@ -364,3 +386,4 @@ class FtcoreConfig:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     k8s: K8sConfig = field(default_factory=K8sConfig)  # python -m ftcore.launch.k8s
+    moe: MoeConfig = field(default_factory=MoeConfig)
