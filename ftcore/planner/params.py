@@ -207,7 +207,7 @@ def chunk_params(cfg: DictConfig, pp_rank: int, vp_stage: int) -> list[Param]:
     if first:
         out.append(Param("embedding", v, full, "embedding"))
     start = split.offsets[pp_rank][vp_stage]
-    templates = {moe: _layer_template(cfg, tp, moe) for moe in (False, True)}
+    templates = {moe: _layer_template(cfg, tp, moe) for moe in {False, is_moe(m)}}
     for layer in range(start, start + split[pp_rank][vp_stage]):
         out += _renamed(templates[moe_layer(m, layer)], layer)
     if last:
