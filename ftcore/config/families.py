@@ -34,7 +34,9 @@ FAMILIES = {
         Family("qwen3", "Qwen3ForCausalLM", "qwen3", qk_layernorm=True,
                export_keys={"attention_bias": False}),
         Family("mistral", "MistralForCausalLM", "mistral"),
-        Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", qk_layernorm=True),
+        # mixtures of experts (docs/moe.md): model.num_experts and the moe_* fields say the rest
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", qk_layernorm=True,
+               export_keys={"attention_bias": False}),
         Family("mixtral", "MixtralForCausalLM", "mixtral"),
     )
 }  # fmt: skip

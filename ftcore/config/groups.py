@@ -50,8 +50,8 @@ class RopeScalingConfig:
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    # llama | qwen2 (q/k/v biases) | qwen3 (q/k RMSNorm) | mistral: ftcore/config/families.py;
-    # read from config.json's `architectures` with model.hf_path
+    # llama | qwen2 (q/k/v biases) | qwen3 (q/k RMSNorm) | mistral | qwen3_moe | mixtral (MoE):
+    # ftcore/config/families.py; read from config.json's `architectures` with model.hf_path
     family: str = "llama"
     # a local HF directory: shapes, weights and tokenizer come from it
     hf_path: Optional[str] = None
@@ -77,14 +77,14 @@ class ModelConfig:
     # adapters (peft=lora/qlora) on a random base are refused unless this is set: for benchmarks
     # and tests that need no real weights
     allow_random_base: bool = False
-    # mixture of experts (None = dense): HF num_experts / num_local_experts
+    # mixture of experts (docs/moe.md); None = a dense model
     num_experts: Optional[int] = None
-    moe_ffn_hidden_size: Optional[int] = None  # HF moe_intermediate_size (Mixtral: intermediate_size)
-    moe_router_topk: int = 2
-    moe_norm_topk_prob: bool = True
+    moe_ffn_hidden_size: Optional[int] = None  # per expert (HF moe_intermediate_size)
+    moe_router_topk: int = 2  # experts per token
+    moe_norm_topk_prob: bool = True  # the top-k probabilities renormalised to sum to 1
     # layers with a dense MLP of ffn_hidden_size (HF mlp_only_layers, decoder_sparse_step)
     moe_dense_layers: list[int] = field(default_factory=list)
-    moe_aux_loss_coeff: float = 0.0  # HF router_aux_loss_coef
+    moe_aux_loss_coeff: float = 0.0  # HF router_aux_loss_coef, used as given
 
 
 @dataclass
@@ -116,8 +116,19 @@ class ParallelConfig:
     # GPU: TP/SP collectives split and hidden behind the GEMMs by TE userbuffers (with tp > 1:
     # needs parallel.sp, TE and fixed sequence shapes; a no-op at tp = 1)
     tp_comm_overlap: bool = False
-    ep: int = 1  # expert parallel
-    etp: int = 1  # expert tensor parallel
+    ep: int = 1  # expert parallel: each rank holds num_experts / ep experts (MoE only)
+    etp: int = 1  # expert tensor parallel: TP inside each expert (Megatron-Bridge's default 1)
+
+
+@dataclass
+class MoeConfig:
+    """Router and dispatcher settings of a mixture-of-experts model (docs/moe.md)."""
+
+    capacity_factor: Optional[float] = None  # None = dropless
+    z_loss_coeff: Optional[float] = None  # router z-loss; None = off
+    aux_loss_coeff: Optional[float] = None  # None = model.moe_aux_loss_coeff
+    router_dtype: str = "fp32"  # the router's softmax and top-k in fp32
+    dispatcher: str = "alltoall"  # megatron's token dispatcher
 
 
 @dataclass
@@ -355,20 +366,12 @@ class BenchConfig:
 
 
 @dataclass
-class MoeConfig:
-    capacity_factor: Optional[float] = None  # None = dropless
-    z_loss_coeff: Optional[float] = None
-    aux_loss_coeff: Optional[float] = None  # None = model.moe_aux_loss_coeff
-    router_dtype: str = "fp32"
-    dispatcher: str = "alltoall"
-
-
-@dataclass
 class FtcoreConfig:
     run: RunConfig = field(default_factory=RunConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -386,4 +389,3 @@ class FtcoreConfig:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     k8s: K8sConfig = field(default_factory=K8sConfig)  # python -m ftcore.launch.k8s
-    moe: MoeConfig = field(default_factory=MoeConfig)

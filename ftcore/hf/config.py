@@ -2,7 +2,8 @@
 
 Reading fills cfg.model from a local HF directory (family, shapes, GQA, head dim, vocab, rope theta
 and all four llama3 rope_scaling fields, rms eps, tied embeddings) and refuses what ftcore cannot
-represent exactly (other architectures and MoE, other activations or rope types, sliding-window
+represent exactly (other architectures, MoE routing other than Qwen3-MoE's and Mixtral's:
+ftcore/hf/moe_config.py, other activations or rope types, sliding-window
 attention that is on for the training length). The families are ftcore/config/families.py. Both the
 transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`) spellings are read;
 export writes the 4.x spelling, which every version reads.
@@ -17,10 +18,10 @@ from omegaconf import DictConfig
 
 from ftcore.config.families import BY_ARCHITECTURE, BY_MODEL_TYPE, FAMILIES, Family
 from ftcore.errors import FtcoreError
+from ftcore.hf.moe_config import check_moe_keys, moe_export_keys, moe_fields
 
 ARCHITECTURES = tuple(BY_ARCHITECTURE)
 ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
 def hf_dir(path: str, field: str = "model.hf_path") -> Path:
@@ -64,11 +65,10 @@ def hf_family(hf: dict) -> Family | None:
 def _check_supported(hf: dict, f: Path, field: str) -> None:
     archs = hf.get("architectures") or []
     fam = hf_family(hf)
-    moe = [k for k in MOE_KEYS if hf.get(k)]
-    if fam is None or moe:
-        what = " (mixture of experts is not supported)" if moe else ""
+    check_moe_keys(hf, f, field, fam.name if fam else None)
+    if fam is None:
         raise FtcoreError(
-            f"{f}: unsupported architecture {archs or hf.get('model_type')!r}{what}; tensor names "
+            f"{f}: unsupported architecture {archs or hf.get('model_type')!r}; tensor names "
             f"and shapes are mapped for {', '.join(ARCHITECTURES)} only",
             field=field, fix="use a dense checkpoint of one of those architectures",
         )  # fmt: skip
@@ -160,6 +160,7 @@ def model_fields(hf: dict, f: str = "config.json") -> dict:
             field="model.hf_path",
             fix="restore config.json from the model's original files",
         ) from e  # fmt: skip
+    out.update(moe_fields(hf, out["family"], out["num_layers"]))
     scaling = rope_scaling(hf)
     if scaling is not None:
         missing = [k for k in ROPE_FIELDS if k not in scaling]
@@ -202,6 +203,8 @@ def hf_config_dict(model_cfg, *, dtype: str, tokenizer=None) -> dict:
         except (OSError, ValueError):
             base = {}
     for key in (
+        "num_experts",  # MoE: moe_export_keys writes the published spelling
+        "num_local_experts",
         "rope_parameters",
         "rope_scaling",
         "rope_theta",
@@ -237,7 +240,10 @@ def hf_config_dict(model_cfg, *, dtype: str, tokenizer=None) -> dict:
         "rope_scaling": None if m.rope_scaling is None else
         {"rope_type": "llama3", **{k: m.rope_scaling[k] for k in ROPE_FIELDS}},
         "torch_dtype": dtype,
+        **moe_export_keys(m),
     })  # fmt: skip
+    if fam.name == "mixtral" and m.get("num_experts"):  # one size for every expert, no dense MLP
+        base["intermediate_size"] = m.moe_ffn_hidden_size
     base.setdefault("initializer_range", m.get("init_std", 0.02))
     base.setdefault("use_cache", True)
     return base
