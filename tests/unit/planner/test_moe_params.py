@@ -1,17 +1,16 @@
 """The planner's MoE parameter counts (params.total_params / active_params) against the oracle:
-transformers' own Qwen3-MoE and Mixtral models, built tiny here, counted with numel; then the
-shipped big configs against their model cards' totals."""
+transformers' own Qwen3-MoE and Mixtral models, built tiny, counted with numel; then the shipped
+big configs against their model cards' totals."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM
 
 from ftcore.config.schema import compose
 from ftcore.planner.params import active_params, total_params
-
-SHAPE = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+from tests.support.moe import MOE_FAMILIES, NUM_EXPERTS, TOPK, moe_config
 
 
 def _hf_counts(model, top_k: int, num_experts: int) -> tuple[int, int]:
@@ -26,34 +25,29 @@ def _planned(overrides: list[str]):
     return total_params(cfg), active_params(cfg)
 
 
-CASES = {
-    "qwen3_moe": (
-        Qwen3MoeForCausalLM,
-        Qwen3MoeConfig(**SHAPE, head_dim=12, intermediate_size=80, moe_intermediate_size=24,
-                       num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
-                       mlp_only_layers=[1], tie_word_embeddings=False),
-        ["model.family=qwen3_moe", "model.kv_channels=12", "model.ffn_hidden_size=80",
-         "model.moe_ffn_hidden_size=24", "model.num_layers=4", "model.moe_dense_layers=[1]"],
-    ),
-    "mixtral": (
-        MixtralForCausalLM,
-        MixtralConfig(**SHAPE, intermediate_size=40, num_hidden_layers=3, num_local_experts=4,
-                      num_experts_per_tok=2, tie_word_embeddings=False),
-        ["model.family=mixtral", "model.ffn_hidden_size=40", "model.moe_ffn_hidden_size=40",
-         "model.num_layers=3"],
-    ),
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_counts_equal_transformers_model(name):
-    cls, hf_cfg, overrides = CASES[name]
-    torch.manual_seed(0)
-    total, active = _hf_counts(cls(hf_cfg), 2, 4)
-    common = ["model.vocab_size=96", "model.hidden_size=32", "model.num_attention_heads=4",
-              "model.num_query_groups=2", "model.num_experts=4", "model.moe_router_topk=2",
-              "model.tie_embeddings=false"]  # fmt: skip
-    assert _planned(common + overrides) == (total, active)
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_counts_equal_transformers_model(family):
+    """tests/support/moe.py's tiny models (Qwen3-MoE with a dense layer 1, head_dim apart)."""
+    hf = moe_config(family, vocab=96)
+    with torch.device("meta"):  # shapes only
+        model = AutoModelForCausalLM.from_config(hf)
+    total, active = _hf_counts(model, TOPK, NUM_EXPERTS)
+    overrides = [
+        f"model.family={family}",
+        f"model.vocab_size={hf.vocab_size}",
+        f"model.hidden_size={hf.hidden_size}",
+        f"model.num_layers={hf.num_hidden_layers}",
+        f"model.num_attention_heads={hf.num_attention_heads}",
+        f"model.num_query_groups={hf.num_key_value_heads}",
+        f"model.kv_channels={getattr(hf, 'head_dim', None) or 'null'}",
+        f"model.ffn_hidden_size={hf.intermediate_size}",
+        f"model.moe_ffn_hidden_size={getattr(hf, 'moe_intermediate_size', hf.intermediate_size)}",
+        f"model.moe_dense_layers={list(getattr(hf, 'mlp_only_layers', []))}",
+        f"model.num_experts={NUM_EXPERTS}",
+        f"model.moe_router_topk={TOPK}",
+        "model.tie_embeddings=false",
+    ]
+    assert _planned(overrides) == (total, active)
 
 
 @pytest.mark.parametrize(
