@@ -23,6 +23,7 @@ import torch
 from ftcore.hf import mappings
 from ftcore.hf.config import hf_config_dict
 from ftcore.hf.io import INDEX, StreamWriter
+from ftcore.models.sharding import is_expert
 
 log = logging.getLogger("ftcore")
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
@@ -97,7 +98,7 @@ def write_tensors(out: Path, files: list[ShardFile], mine: Iterable[tuple[str, t
         for name, full in mine:
             if transform is not None:
                 full = transform(name, full)
-            mp = mappings.resolve(name, s.tie)
+            mp = mappings.resolve(name, s.tie, s)
             for hf, t in mappings.to_hf(mp, full, s).items():
                 writers[where[hf].name].add(hf, t)
             del full
@@ -118,6 +119,13 @@ def exported_names(names: Iterable[str], tie: bool) -> list[str]:
     ]
 
 
+def _writes(name: str, ranks) -> bool:
+    """Whether this rank writes `name`: TP rank 0 of DP rank 0 of its stage; a routed expert's
+    parameter: expert-TP rank 0 of expert-DP rank 0 (each EP rank writes its own experts)."""
+    tp_rank, dp_rank, etp_rank, edp_rank = ranks
+    return (etp_rank, edp_rank) == (0, 0) if is_expert(name) else (tp_rank, dp_rank) == (0, 0)
+
+
 def _finish_dir(tmp: Path, out: Path) -> None:
     if out.exists():
         shutil.rmtree(out)
@@ -128,7 +136,8 @@ def write_hf_model(
     state, transform: Transform | None = None, out: str | Path | None = None
 ) -> Path:
     """`<run.dir>/hf_model/` from the live model (every rank calls it; TP shards are gathered per
-    tensor inside each TP group; tp rank 0 of dp rank 0 of each pipeline stage writes its files)."""
+    tensor inside each TP group, an expert's inside its expert TP group; tp rank 0 of dp rank 0 of
+    each pipeline stage writes its files, and each EP rank its experts': `_writes`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -144,9 +153,10 @@ def write_hf_model(
     params = [(n, p) for n, p in iter_params(state.model)]
     names = exported_names([n for n, _ in params], s.tie)
     dtype = DTYPES[cfg.export.dtype] if cfg.export.get("dtype") else params[0][1].dtype
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    writer = tp_rank == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
-    produced = [h for n in names for h in mappings.resolve(n, s.tie).hf] if writer else []
+    tp, etp = ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+    ranks = (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(with_context_parallel=True),
+             ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank())  # fmt: skip
+    produced = [h for n in names if _writes(n, ranks) for h in mappings.resolve(n, s.tie, s).hf]
     gathered = [produced]
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
@@ -158,26 +168,24 @@ def write_hf_model(
         tmp.mkdir(parents=True)
     _barrier()
 
-    def full_tensors():
-        group = ps.get_tensor_model_parallel_group()
+    def full_tensors():  # every rank of a writer's (expert) TP group takes part in its gathers
         for name, p in params:
-            if name not in names:
+            expert = is_expert(name)
+            if name not in names or (ranks[3] if expert else ranks[1]) != 0:
                 continue
+            n = etp if expert else tp
             data = p.detach().to(rdist.comm_device()).contiguous()  # no copy where it is already
-            if tp > 1:
-                shards = [torch.empty_like(data) for _ in range(tp)]
+            if n > 1:
+                group = (ps.get_expert_tensor_parallel_group() if expert
+                         else ps.get_tensor_model_parallel_group())  # fmt: skip
+                shards = [torch.empty_like(data) for _ in range(n)]
                 dist.all_gather(shards, data, group=group)
-                data = join_shards(shards, shard_info(name, p, tp))
+                data = join_shards(shards, shard_info(name, p, n))
                 del shards
-            yield name, data
+            if _writes(name, ranks):
+                yield name, data
 
-    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
-        stream = full_tensors()
-        if writer:
-            write_tensors(tmp, files, stream, s, rank, transform)
-        else:
-            for _ in stream:  # take part in the TP gathers
-                pass
+    write_tensors(tmp, files, full_tensors(), s, rank, transform)  # no files: only the gathers
     _barrier()
     if rank == 0:
         src, _ = tokenizer_source(cfg)

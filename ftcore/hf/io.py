@@ -192,7 +192,7 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
     (models/nf4.py), so a rank holds the NF4 base and one full-precision shard at a time."""
     from megatron.core import parallel_state as ps
 
-    from ftcore.models.sharding import iter_params, shard_info
+    from ftcore.models.sharding import is_expert, iter_params, shard_info, tp_of
 
     root, field = weights_source(cfg)
     st = SafetensorsDir(root, field)
@@ -200,13 +200,12 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     st.check_all(shapes)
     for name, p in list(iter_params(chunks)):  # a list: QLoRA's take_whole swaps parameters
-        mp = mappings.resolve(name, shapes.tie)
+        mp = mappings.resolve(name, shapes.tie, shapes)
         if mp is None:
             raise FtcoreError(f"parameter {name} has no Hugging Face counterpart", field=field,
                               fix="load HF weights before adding adapters; only the layers of ftcore/config/families.py are mapped")  # fmt: skip
-        pieces = mappings.shard_pieces(
-            mp, info=shard_info(name, p, tp), s=shapes, tp_rank=tp_rank, tp=tp
-        )
+        n, r = tp_of(name) if is_expert(name) else (tp, tp_rank)  # an expert: only its own
+        pieces = mappings.shard_pieces(mp, info=shard_info(name, p, n), s=shapes, tp_rank=r, tp=n)
         take = getattr(p, "take_whole", None)  # QLoRA's NF4 linears (models/nf4.py), on meta
         whole = take is not None or _quantized(p)
         device = getattr(p, "whole_device", p.device)

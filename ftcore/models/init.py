@@ -25,7 +25,7 @@ import zlib
 
 import torch
 
-from ftcore.models.sharding import iter_params, shard_info, take_shard
+from ftcore.models.sharding import is_expert, iter_params, shard_info, take_shard, tp_of
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -81,11 +81,12 @@ def init_weights(
     for name, p in iter_params(chunks):
         if p.is_meta:  # a dry build: nothing to draw
             continue
-        info = shard_info(name, p, tp)
+        n, r = tp_of(name) if is_expert(name) else (tp, tp_rank)  # experts: the expert TP group
+        info = shard_info(name, p, n)
         full = full_init(
             name, info.full_shape, seed=seed, std=std, num_layers=num_layers, vocab_size=vocab_size
         )
-        p.copy_(take_shard(full, info, tp_rank, tp).to(p.dtype))
+        p.copy_(take_shard(full, info, r, n).to(p.dtype))
 
 
 def _shard_generator(seed: int, name: str, index: int, device: torch.device) -> torch.Generator:
@@ -107,8 +108,9 @@ def init_shards(
         if const is not None:
             p.fill_(const)
             continue
-        info = shard_info(name, p, tp)
-        index = tp_rank if info.partition_dim is not None and tp > 1 else 0
+        n, r = tp_of(name) if is_expert(name) else (tp, tp_rank)  # experts: the expert TP group
+        info = shard_info(name, p, n)
+        index = r if info.partition_dim is not None and n > 1 else 0
         g = _shard_generator(seed, name, index, p.device)
         shard = torch.empty(p.shape, dtype=torch.float32, device=p.device)
         shard.normal_(0.0, _std(name, std, num_layers), generator=g)

@@ -11,7 +11,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from omegaconf import DictConfig
 
 from ftcore.config.families import family
-from ftcore.models import rope, speed
+from ftcore.models import moe, rope, speed
 from ftcore.models.local.attention import SdpaAttention
 from ftcore.models.local.norm import RMSNorm
 from ftcore.models.nf4 import defer_base_linears
@@ -99,6 +99,7 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
         # overlap, fusions (on CPU megatron's bias-SwiGLU hook runs models/local/swiglu.py), p2p
         # batching, recompute, CUDA graphs: models/speed.py
         **speed.transformer_kwargs(cfg, on_cpu=on_cpu),
+        **moe.transformer_kwargs(cfg, on_cpu=on_cpu),  # experts, router, dispatcher (MoE only)
     )
     if not on_cpu:
         from ftcore.precision import recipes
@@ -109,9 +110,12 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
 
 def layer_spec(cfg: DictConfig, config: TransformerConfig, *, on_cpu: bool, vp_stage, pp_rank):
     """Local spec with an SP-capable RMSNorm and SDPA core attention on CPU; Transformer Engine's
-    spec on GPU."""
+    spec on GPU. MoE: the MoE layer's spec on sparse layers (models/moe.py)."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     if not on_cpu:
         from ftcore.precision import recipes
 
@@ -120,7 +124,14 @@ def layer_spec(cfg: DictConfig, config: TransformerConfig, *, on_cpu: bool, vp_s
             from ftcore.models import thd
 
             thd.install(spec)  # pad_between_seqs from the host, not read back per layer
-            return spec
+            if not moe.is_moe(cfg.model):
+                return spec
+            sparse = moe.moe_layer_spec(cfg, spec, on_cpu=False)
+            thd.install(sparse)
+            from megatron.core.extensions.transformer_engine import TENorm
+
+            specs = moe.layer_specs(cfg, spec, sparse, first=first, n=n)
+            return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TENorm)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     norm = ModuleSpec(module=RMSNorm)
     local_qk_norms(spec, cfg.model, norm)
@@ -129,5 +140,6 @@ def layer_spec(cfg: DictConfig, config: TransformerConfig, *, on_cpu: bool, vp_s
     spec.submodules.pre_mlp_layernorm = norm
     if cfg.peft.name == "qlora" and (cfg.model.hf_path or cfg.model.init_path):
         defer_base_linears(spec, cfg.peft.double_quant)  # NF4 as loaded: no full-precision base
-    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=norm)
+    sparse = moe.moe_layer_spec(cfg, spec, on_cpu=True) if moe.is_moe(cfg.model) else None
+    specs = moe.layer_specs(cfg, spec, sparse, first=first, n=n)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm)

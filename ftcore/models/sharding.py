@@ -3,6 +3,11 @@
 A parameter's *global name* is its name in an unsharded, unpipelined model
 (`decoder.layers.<global index>.mlp.linear_fc1.weight`), so it is the same under every layout.
 `take_shard` cuts this rank's slice from the full tensor the way megatron lays it out.
+
+A MoE layer's experts are named by their global index (`mlp.experts.local_experts.<expert>.`),
+whatever EP rank holds them and whichever module holds them (SequentialMLP's local_experts.<k> on
+CPU, TEGroupedMLP's `linear_fc1.weight<k>` on GPU); they are sharded over the expert TP group
+(`parallel.etp`), not the attention's (`tp_of`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 _LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -39,8 +46,35 @@ def global_name(local_name: str, chunk: torch.nn.Module) -> str:
     m = _LAYER.match(name)
     if m:
         layer = model.decoder.layers[int(m.group(1))]
-        name = f"decoder.layers.{layer.layer_number - 1}." + name[m.end() :]
+        rest = _expert_name(name[m.end() :], layer)
+        name = f"decoder.layers.{layer.layer_number - 1}." + rest
     return name
+
+
+def _expert_name(rest: str, layer) -> str:
+    """A local expert's parameter named by its global expert index (module docstring)."""
+    local = _LOCAL_EXPERT.match(rest)
+    grouped = None if local else _GROUPED_EXPERT.match(rest)
+    if not (local or grouped):
+        return rest
+    indices = layer.mlp.local_expert_indices
+    if local:
+        return f"mlp.experts.local_experts.{indices[int(local.group(1))]}.{local.group(2)}"
+    return f"mlp.experts.local_experts.{indices[int(grouped.group(2))]}.{grouped.group(1)}.weight"
+
+
+def is_expert(name: str) -> bool:
+    """A routed expert's parameter (sharded over the expert TP group, held by one EP rank)."""
+    return ".mlp.experts." in name
+
+
+def tp_of(name: str) -> tuple[int, int]:
+    """(size, rank) of the TP group that shards `name`: the expert TP group for experts."""
+    from megatron.core import parallel_state as ps
+
+    if is_expert(name):
+        return ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
 
 
 def iter_params(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:

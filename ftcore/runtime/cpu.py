@@ -60,6 +60,9 @@ class _Stream:
     def __exit__(self, *a):
         return False
 
+    def record_event(self, *a, **k):  # megatron's MoE dispatcher synchronises the event later
+        return _Stream()
+
     def __getattr__(self, name):
         return lambda *a, **k: None
 
@@ -172,6 +175,9 @@ def activate() -> None:
     )
     _suspend_in_backward()
     _skip_lone_collectives()
+    from ftcore.runtime import cpu_moe
+
+    cpu_moe.install()  # megatron's MoE layer without TE and CUDA
     _active = True
 
 

@@ -189,6 +189,9 @@ def init_model_parallel(cfg: DictConfig, world: int, *, gloo_groups: bool = True
         virtual_pipeline_model_parallel_size=p.vp if p.vp > 1 else None,
         context_parallel_size=p.cp,
         hierarchical_context_parallel_sizes=cp.hierarchical_sizes(p),
+        # expert groups (MoE; both 1 for a dense model): ep·etp·pp must divide the world
+        expert_model_parallel_size=p.get("ep", 1),
+        expert_tensor_parallel_size=p.get("etp", 1),
         create_gloo_process_groups=gloo_groups,
     )
 

@@ -1,7 +1,7 @@
 """Tiny random Qwen3-MoE and Mixtral checkpoints built by transformers itself (the oracle), saved
 with save_pretrained into a test's temp dir together with the bundled tokenizer.
 
-Four experts, top-2, a few layers; the Qwen3-MoE one keeps layer 1 dense (`mlp_only_layers`) and
+Four experts, top-2, a few layers; four layers; the Qwen3-MoE one keeps layer 1 dense (`mlp_only_layers`) and
 has q/k norms and head_dim != hidden / heads. Weights are drawn with O(1) activations so that a
 wrong expert, a wrong gate/up order or a wrong router shows in the logits, and the router is
 drawn wide enough that the top-2 choice is not decided by rounding."""
@@ -23,7 +23,7 @@ def moe_config(family: str = "qwen3_moe", vocab: int = VOCAB, **over):
     """The transformers config of a tiny MoE model of `family` (qwen3_moe or mixtral)."""
     import transformers
 
-    kw = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+    kw = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
               tie_word_embeddings=False, bos_token_id=2032, eos_token_id=2033,
               num_local_experts=NUM_EXPERTS, num_experts_per_tok=TOPK, router_aux_loss_coef=0.01,

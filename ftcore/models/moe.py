@@ -1,0 +1,97 @@
+"""Mixture of experts: the model's `num_experts`/`moe_*` fields and the `moe` section ->
+megatron-core's MoE switches, and the per-layer spec (an MoE MLP on sparse layers, the dense MLP
+on `model.moe_dense_layers`). docs/moe.md.
+
+Routing as transformers does it: Qwen3-MoE takes the softmax over all experts, then the top k,
+renormalised when `norm_topk_prob`; Mixtral the top k, then the softmax over those (the same
+renormalised numbers). megatron's router with `moe_router_pre_softmax=False` is the latter (the
+top k of the logits are the top k of the softmax), with True the former without renormalising.
+Experts: SequentialMLP (one megatron MLP per local expert) on CPU (and wherever megatron's local
+layers are built: QLoRA, precision.te_layers=false, the dry build without TE), TEGroupedMLP and
+TE's fused permutation on GPU with TE, as Megatron-Bridge's Qwen3-MoE recipes run them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from omegaconf import DictConfig
+
+
+def is_moe(m) -> bool:
+    return bool(m.get("num_experts"))
+
+
+def layer_pattern(m) -> list[int]:
+    """megatron's moe_layer_freq as a list: 1 = MoE layer, 0 = dense."""
+    dense = {int(i) for i in m.get("moe_dense_layers") or []}
+    return [0 if i in dense else 1 for i in range(m.num_layers)]
+
+
+def aux_loss_coeff(cfg: DictConfig) -> float:
+    """moe.aux_loss_coeff, else the model's (HF router_aux_loss_coef)."""
+    c = cfg.get("moe", {}).get("aux_loss_coeff")
+    return float(cfg.model.moe_aux_loss_coeff if c is None else c)
+
+
+def transformer_kwargs(cfg: DictConfig, *, on_cpu: bool) -> dict:
+    """TransformerConfig keys of an MoE model (empty for a dense one)."""
+    m, p = cfg.model, cfg.parallel
+    if not is_moe(m):
+        return {}
+    moe = cfg.get("moe") or {}
+    from ftcore.precision import recipes
+
+    grouped = not on_cpu and recipes.use_te(cfg)  # TEGroupedMLP and TE's fused permutation
+    return dict(
+        num_moe_experts=int(m.num_experts),
+        moe_ffn_hidden_size=int(m.moe_ffn_hidden_size or m.ffn_hidden_size),
+        moe_router_topk=int(m.moe_router_topk),
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not m.moe_norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=aux_loss_coeff(cfg),
+        moe_z_loss_coeff=moe.get("z_loss_coeff"),
+        moe_router_dtype=moe.get("router_dtype", "fp32"),
+        moe_token_dispatcher_type=moe.get("dispatcher", "alltoall"),
+        moe_expert_capacity_factor=moe.get("capacity_factor"),
+        moe_token_drop_policy="probs",
+        moe_layer_freq=layer_pattern(m),
+        moe_grouped_gemm=grouped,
+        moe_permute_fusion=grouped,
+        expert_model_parallel_size=p.get("ep", 1),
+        expert_tensor_parallel_size=p.get("etp", 1),
+    )
+
+
+def moe_layer_spec(cfg: DictConfig, dense_spec, *, on_cpu: bool):
+    """An MoE layer's spec. CPU: the local dense spec with megatron's MoE layer (SequentialMLP
+    experts) as its MLP; GPU: megatron's TE spec with TEGroupedMLP experts (its pre-MLP norm is a
+    TENorm of its own, not fused into the first linear as in the dense TE layer)."""
+    from ftcore.config.families import family
+
+    if not on_cpu:
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=int(cfg.model.num_experts), moe_grouped_gemm=True,
+            qk_layernorm=family(cfg.model).qk_layernorm,
+        )  # fmt: skip
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    spec = copy.copy(dense_spec)
+    spec.submodules = copy.copy(dense_spec.submodules)
+    spec.submodules.mlp = get_moe_module_spec(
+        use_te=False, num_experts=int(cfg.model.num_experts), moe_grouped_gemm=False
+    )
+    return spec
+
+
+def layer_specs(cfg: DictConfig, dense_spec, moe_spec, *, first: int, n: int) -> list:
+    """The specs of global layers first .. first+n-1 (dense where model.moe_dense_layers says)."""
+    if moe_spec is None:
+        return [dense_spec] * n
+    pattern = layer_pattern(cfg.model)
+    return [moe_spec if pattern[i] else dense_spec for i in range(first, first + n)]

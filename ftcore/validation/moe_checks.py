@@ -1,0 +1,83 @@
+"""Mixture-of-experts settings that cannot work, refused before anything is built (docs/moe.md).
+
+The rules are megatron-core 0.16.1's (its parallel state, TransformerConfig and MoE layer) and
+the CPU runtime's (gloo), checked here so that a run exits 2 with the fix instead of failing at
+the first forward: experts divide by ep; ep·etp·pp divides the world (megatron's expert grid);
+etp > 1 only on GPU (the dispatcher's all_gather with uneven splits, which gloo lacks); training
+at tp > 1 only with sequence parallelism (megatron's MoE layer raises otherwise); ep/etp and the
+`moe` section only on a MoE model; FP8/FP4 experts only in Transformer Engine layers.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from ftcore.errors import FtcoreError
+from ftcore.hf.moe_config import MOE_FAMILIES
+
+DISPATCHERS = ("alltoall",)  # the one ftcore tests (megatron's allgather/flex are not)
+ROUTER_DTYPES = ("fp32", "fp64")
+
+
+def _no(what: str, field: str, fix: str) -> None:
+    raise FtcoreError(what, field=field, fix=fix)
+
+
+def check_moe(cfg: DictConfig, world: int | None, *, training: bool) -> None:
+    m, p = cfg.model, cfg.parallel
+    ep, etp = int(p.get("ep", 1)), int(p.get("etp", 1))
+    experts = m.get("num_experts")
+    moe = cfg.get("moe") or {}
+    if not experts:
+        if m.get("family") in MOE_FAMILIES:
+            _no(f"model.family={m.family} is a mixture of experts but model.num_experts is not set",
+                "model.num_experts", "set model.num_experts (model.hf_path reads it from config.json)")  # fmt: skip
+        if ep > 1 or etp > 1:
+            _no(f"parallel.ep={ep}, parallel.etp={etp}: expert parallelism needs a mixture-of-experts "
+                f"model, and {m.get('name', 'this model')} is dense", "parallel.ep",
+                "set parallel.ep=1 parallel.etp=1 (split a dense model with tp, pp, cp or dp)")  # fmt: skip
+        return
+    if m.get("family") not in MOE_FAMILIES:
+        _no(f"model.num_experts={experts} on family {m.get('family')}, which has no experts (its "
+            "Hugging Face model could not hold them)", "model.num_experts",
+            f"use a MoE family ({', '.join(MOE_FAMILIES)}) or model.num_experts=null")  # fmt: skip
+    if m.moe_router_topk > experts:
+        _no(f"moe_router_topk={m.moe_router_topk} > num_experts={experts}", "model.moe_router_topk",
+            f"model.moe_router_topk<={experts}")  # fmt: skip
+    bad = [i for i in m.get("moe_dense_layers") or [] if i >= m.num_layers]
+    if bad:
+        _no(f"moe_dense_layers {bad} are not layers of a {m.num_layers}-layer model",
+            "model.moe_dense_layers", f"indices below {m.num_layers}")  # fmt: skip
+    if m.family == "mixtral" and (m.get("moe_dense_layers") or []):
+        _no("Mixtral has no dense layers (transformers' MixtralForCausalLM could not hold them)",
+            "model.moe_dense_layers", "model.moe_dense_layers=[] (or family qwen3_moe)")  # fmt: skip
+    if experts % ep:
+        ok = [d for d in range(1, experts + 1) if experts % d == 0]
+        _no(f"parallel.ep={ep} does not divide num_experts={experts}", "parallel.ep",
+            f"parallel.ep={' or '.join(map(str, ok))}")  # fmt: skip
+    ffn = int(m.get("moe_ffn_hidden_size") or m.ffn_hidden_size)
+    if ffn % etp:
+        _no(f"parallel.etp={etp} does not divide moe_ffn_hidden_size={ffn}", "parallel.etp",
+            "an etp dividing the expert width (1: experts whole on each rank)")  # fmt: skip
+    if world is not None and world % (ep * etp * p.pp):
+        _no(f"megatron lays experts out as etp x ep x expert-dp x pp: ep*etp*pp = {ep}*{etp}*{p.pp} "
+            f"= {ep * etp * p.pp} must divide the world size {world}", "parallel.ep",
+            f"launch a multiple of {ep * etp * p.pp} processes, or lower parallel.ep/parallel.etp")  # fmt: skip
+    if etp > 1 and cfg.cluster.device == "cpu":
+        _no(f"parallel.etp={etp} on the CPU: megatron's dispatcher then all-gathers uneven token "
+            "counts over the expert TP group, which gloo cannot do", "parallel.etp",
+            "parallel.etp=1 on CPU (etp > 1 runs on GPU clusters)")  # fmt: skip
+    if training and p.tp > 1 and not p.sp:
+        _no(f"training a mixture of experts at parallel.tp={p.tp} needs sequence parallelism "
+            "(megatron's MoE layer refuses it otherwise)", "parallel.sp",
+            "parallel.sp=true (or parallel.tp=1)")  # fmt: skip
+    prec = cfg.precision
+    if (prec.get("fp8_recipe") or prec.get("fp4_recipe")) and not prec.get("te_layers", True):
+        _no("FP8/FP4 experts run only in Transformer Engine's grouped layers", "precision.te_layers",
+            "precision.te_layers=true (or precision=bf16)")  # fmt: skip
+    if moe.get("dispatcher", "alltoall") not in DISPATCHERS:
+        _no(f"moe.dispatcher={moe.dispatcher}: ftcore runs megatron's all-to-all dispatcher",
+            "moe.dispatcher", "moe.dispatcher=alltoall")  # fmt: skip
+    if moe.get("router_dtype", "fp32") not in ROUTER_DTYPES:
+        _no(f"moe.router_dtype={moe.router_dtype} is not one of {', '.join(ROUTER_DTYPES)}",
+            "moe.router_dtype", "moe.router_dtype=fp32")  # fmt: skip
