@@ -16,7 +16,7 @@ them in buffers of their own, reduced over the expert data-parallel group (memor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from omegaconf import DictConfig
 
@@ -35,12 +35,13 @@ LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ROW_PARALLEL = ("linear_proj", "linear_fc2")  # input split over TP; the others split their output
 
 
-@dataclass(frozen=True)
-class Param:
+class Param(NamedTuple):
+    """One parameter of one rank (a tuple: a 235B MoE rank has ~10^4 of them per layout)."""
+
     name: str  # stage-local name, e.g. layers.3.linear_fc1 (global layer index)
     numel: int  # elements on this rank
     trainable: bool
-    kind: str  # embedding | norm | linear | bias | output | lora
+    kind: str  # embedding | norm | linear | bias | output | lora | router
     layer: int = -1  # global transformer layer index (-1 outside the layers)
     expert: bool = False  # an expert's weight or adapter (EP-sharded, its own DDP buffer)
 

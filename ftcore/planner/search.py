@@ -161,6 +161,10 @@ def search(cfg: DictConfig, world: int, top: int = 10) -> list[dict]:
     return kept[:top]
 
 
+def _widest_ep(cfg, lay: dict, world: int) -> int:
+    return max(e * t for e, t in ep_rules.options(cfg, lay["tp"], world // lay["pp"]))
+
+
 def smallest_fit(cfg: DictConfig, max_gpus: int = 4096) -> int | None:
     """Fewest GPUs (a power of two, or whole nodes beyond one node) on which some layout fits,
     keeping the config's precision, PEFT, sequence and batch sizes."""
@@ -173,6 +177,8 @@ def smallest_fit(cfg: DictConfig, max_gpus: int = 4096) -> int | None:
         for lay in layouts(cfg, n):
             if lay["recompute"] != "full" or lay["micro_batch_size"] != 1:
                 continue  # the most frugal settings decide whether n GPUs can hold it
+            if "ep" in lay and lay["ep"] * lay["etp"] != _widest_ep(cfg, lay, n):
+                continue  # and the experts spread as wide as the layout allows
             if fits(_with(cfg, **lay), n)[0]:
                 return n
     return None
