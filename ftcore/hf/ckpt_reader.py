@@ -6,6 +6,11 @@ shape and the chunks each rank saved. Model keys are layout-independent: `module
 name, with the layers of the decoder stacked on a leading axis (`module.decoder.layers.mlp.
 linear_fc1.weight` is [num_layers, 2*ffn, hidden]; fc1's saved global layout is [gate; up]). A read
 names a region (offsets, sizes) and DCP's own resharding picks the chunks that cover it.
+
+A model whose layers differ (MoE with dense layers) is saved per layer (`decoder.layers.<i>.`),
+not stacked; a MoE layer's routed experts are one key with a leading expert axis
+(`...mlp.experts.experts.linear_fc1.weight` is [num_experts, 2*moe_ffn, hidden], whichever EP rank
+saved each), read one expert at a time.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from ftcore.errors import FtcoreError
 from ftcore.runtime import safe_files
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 # megatron's local spec saves its norms under Transformer Engine's names
 ALIASES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -61,18 +67,26 @@ class CheckpointReader:
             k: v for k, v in self.md.state_dict_metadata.items() if hasattr(v, "chunks")
         }
 
-    def _key(self, name: str) -> tuple[str, int | None]:
-        """(checkpoint key, layer index or None) of a global parameter name."""
+    def _key(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(checkpoint key, indices along its leading axes) of a global parameter name: the layer
+        of a stacked key, the expert of an experts key."""
         m = _LAYER.match(name)
         layer, rest = (int(m.group(1)), m.group(2)) if m else (None, name)
-        stem = "decoder.layers." if m else ""
+        e = _EXPERT.match(rest) if m else None
+        lead: tuple[int, ...] = (int(e.group(1)),) if e else ()
+        if e:
+            rest = "mlp.experts.experts." + e.group(2)
         candidates = [rest] + ([ALIASES[rest]] if rest in ALIASES else [])
         candidates += [k for k, v in ALIASES.items() if v == rest]
+        stems = (
+            [("decoder.layers.", (layer,)), (f"decoder.layers.{layer}.", ())] if m else [("", ())]
+        )
         for c in candidates:
-            for prefix in ("module.", ""):
-                key = prefix + stem + c
-                if key in self.tensors:
-                    return key, layer
+            for stem, at in stems:
+                for prefix in ("module.", ""):
+                    key = prefix + stem + c
+                    if key in self.tensors:
+                        return key, at + lead
         raise KeyError(name)
 
     def has(self, name: str) -> bool:
@@ -84,24 +98,23 @@ class CheckpointReader:
 
     def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """(full shape of the parameter, dtype) as saved."""
-        key, layer = self._key(name)
+        key, lead = self._key(name)
         md = self.tensors[key]
-        shape = tuple(md.size)[1:] if layer is not None else tuple(md.size)
-        return shape, md.properties.dtype
+        return tuple(md.size)[len(lead) :], md.properties.dtype
 
     def read(self, name: str) -> torch.Tensor:
-        """The full tensor of one parameter (one layer's slice of a stacked key)."""
+        """The full tensor of one parameter (one layer's / expert's slice of a stacked key)."""
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         from torch.distributed.checkpoint.planner import LoadPlan
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-        key, layer = self._key(name)
+        key, lead = self._key(name)
         md = self.tensors[key]
         size = tuple(md.size)
         offsets = [0] * len(size)
         sizes = list(size)
-        if layer is not None:
-            offsets[0], sizes[0] = layer, 1
+        for axis, index in enumerate(lead):
+            offsets[axis], sizes[axis] = index, 1
         buf = torch.empty(sizes, dtype=md.properties.dtype)
         chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
         items = create_read_items_for_chunk_list(key, md, [chunk])
@@ -112,4 +125,4 @@ class CheckpointReader:
         plan = self.reader.prepare_local_plan(LoadPlan(items))
         plan = self.reader.prepare_global_plan([plan])[0]
         self.reader.read_data(plan, _Targets({key: buf})).wait()
-        return buf[0] if layer is not None else buf
+        return buf.reshape(size[len(lead) :])

@@ -242,6 +242,12 @@ def _global_names(s: mappings.Shapes) -> list[str]:
         names += [p + "input_layernorm.weight", a + "linear_qkv.weight"]
         names += [a + "linear_qkv.bias"] if s.qkv_bias else []
         names += [a + "q_layernorm.weight", a + "k_layernorm.weight"] if s.qk_norm else []
-        names += [a + "linear_proj.weight", p + "pre_mlp_layernorm.weight",
-                  p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]  # fmt: skip
+        names += [a + "linear_proj.weight", p + "pre_mlp_layernorm.weight"]
+        if s.sparse(i):  # a MoE layer: its router and every expert, by global index
+            x = p + "mlp.experts.local_experts."
+            names.append(p + "mlp.router.weight")
+            for e in range(s.experts):
+                names += [f"{x}{e}.linear_fc1.weight", f"{x}{e}.linear_fc2.weight"]
+        else:
+            names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
     return names + ["decoder.final_layernorm.weight", "output_layer.weight"]

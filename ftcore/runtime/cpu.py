@@ -177,7 +177,7 @@ def activate() -> None:
     _skip_lone_collectives()
     from ftcore.runtime import cpu_moe
 
-    cpu_moe.install()  # megatron's MoE layer without TE and CUDA
+    cpu_moe.install(device_mode)  # megatron's MoE layer without TE and CUDA
     _active = True
 
 

@@ -1,4 +1,4 @@
-"""megatron-core's MoE layer on the CPU runtime (ftcore/runtime/cpu.py calls `install()` from
+"""megatron-core's MoE layer on the CPU runtime (ftcore/runtime/cpu.py calls `install` from
 `activate()`; docs/cpu_runtime.md, docs/moe.md).
 
 Three things in megatron-core 0.16.1 assume Transformer Engine or CUDA, fixed here without editing
@@ -21,8 +21,9 @@ import functools
 import torch
 
 
-def install() -> None:
-    """Idempotent; a no-op where megatron's MoE modules are missing."""
+def install(device_mode) -> None:
+    """Idempotent; a no-op where megatron's MoE modules are missing. `device_mode`: cpu.py's
+    rewriting mode (passed in: cpu.py imports this module)."""
     try:
         from megatron.core.transformer.moe import moe_utils
     except ImportError:  # pragma: no cover - megatron without MoE
@@ -45,8 +46,6 @@ def install() -> None:
 
     @functools.wraps(track)
     def on_cpu(*args, **kwargs):
-        from ftcore.runtime.cpu import device_mode
-
         with device_mode():
             return track(*args, **kwargs)
 

@@ -48,6 +48,10 @@ from ftcore.training.optim import build_optimizer
 log = logging.getLogger("ftcore")
 
 BUILD_DEVICE = "meta"
+# plain tensors megatron keeps on the host on purpose: the MoE all-to-all dispatcher's chunk
+# orders, index tensors for host-side sorting by host split sizes (on the device only with TE's
+# fused permutation, moe_permute_fusion)
+HOST_BY_DESIGN = ("sort_input_by_local_experts", "restore_output_by_local_experts")
 
 
 def stages_to_build(pp: int) -> list[int]:
@@ -149,7 +153,7 @@ def off_device(model: list) -> list[str]:
                 out.append(pre + name)
         for mname, m in chunk.named_modules():
             for attr, t in _plain_tensors(vars(m)):
-                if t.device.type != BUILD_DEVICE:
+                if t.device.type != BUILD_DEVICE and attr.rsplit(".", 1)[-1] not in HOST_BY_DESIGN:
                     out.append(f"{pre}{mname}.{attr}" if mname else pre + attr)
     return out
 

@@ -72,7 +72,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     adapt(cfg, training=training, say=rank == "0")
     # 2. Validate in the pinned order before anything heavy exists.
     launched = int(os.environ.get("WORLD_SIZE", "1"))
-    dp = checks.validate(cfg, launched)
+    dp = checks.validate(cfg, launched, training=training)  # eval/generate: as checked at launch
     # 3. Process group (gloo on CPU), then the CPU runtime before any megatron module is built.
     info = rdist.init_distributed(cfg)
     if info.device.type == "cpu":

@@ -1,0 +1,79 @@
+"""The MoE model build (ftcore/models/moe.py): megatron's router set up per family routes as
+transformers' own router does (norm_topk_prob on and off, Mixtral), and the meta-device dry build
+of a MoE layout holds only this EP rank's experts, nothing off the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftcore.config.schema import compose
+from ftcore.models import moe
+from tests.support.moe import moe_config
+from tests.unit.validation.test_moe_checks import MOE
+
+
+def _hf_router(family: str, norm: bool, weight: torch.Tensor):
+    """transformers' router module of the family with the given weight."""
+    if family == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter as Router
+
+        config = moe_config("mixtral")
+    else:
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter as Router
+
+        config = moe_config("qwen3_moe", norm_topk_prob=norm)
+    router = Router(config).eval()
+    with torch.no_grad():
+        router.weight.copy_(weight)
+    return router
+
+
+@pytest.mark.parametrize("family,norm", [("qwen3_moe", True), ("qwen3_moe", False),
+                                         ("mixtral", True)])  # fmt: skip
+def test_router_routes_as_transformers(family, norm):
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    over = ["model.moe_dense_layers=[]"] if family == "mixtral" else []
+    cfg = compose(MOE + over + [f"model.family={family}", f"model.moe_norm_topk_prob={norm}"])
+    kw = moe.transformer_kwargs(cfg, on_cpu=True)
+    g = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(4, 64, generator=g), torch.randn(50, 64, generator=g)
+    logits = x @ weight.T
+    probs, routing = topk_routing_with_score_function(
+        logits, kw["moe_router_topk"], use_pre_softmax=kw["moe_router_pre_softmax"],
+        score_function=kw["moe_router_score_function"],
+    )  # fmt: skip
+    with torch.no_grad():
+        _, scores, indices = _hf_router(family, norm, weight)(x)
+    want = torch.zeros_like(probs).scatter(1, indices, scores.to(probs.dtype))
+    assert torch.equal(routing, want > 0)
+    torch.testing.assert_close(probs, want, rtol=1e-6, atol=1e-7)
+
+
+def test_layer_pattern_and_dense_section():
+    cfg = compose(MOE)
+    assert moe.layer_pattern(cfg.model) == [1, 0, 1, 1]
+    kw = moe.transformer_kwargs(cfg, on_cpu=True)
+    assert kw["moe_layer_freq"] == [1, 0, 1, 1] and not kw["moe_grouped_gemm"]
+    assert kw["moe_expert_capacity_factor"] is None  # dropless
+    assert moe.transformer_kwargs(compose(["model.num_experts=null"]), on_cpu=True) == {}
+
+
+def test_dry_build_holds_this_ep_rank_experts():
+    """ep=2 x pp=2 on 4 meta GPUs: every stage on the device (the dispatcher's host-side index
+    tensors aside), each sparse layer holding 2 of the 4 experts."""
+    from ftcore.training import dry_build
+
+    cfg = compose(MOE + ["parallel.ep=2", "parallel.pp=2", "cluster=h100", "cluster.num_gpus=4",
+                         "model.allow_random_base=true"])  # fmt: skip
+    for pp_rank, sparse in ((0, 1), (1, 2)):  # layer 1 (stage 0) is dense
+        with dry_build.fake_world(cfg, 4, pp_rank), dry_build.cpu.meta_device():
+            with dry_build.cpu.device_mode():
+                dry_build.model_parallel_cuda_manual_seed(0)
+            chunks = dry_build.build_model(cfg, init=False)
+        assert dry_build.off_device(chunks) == []
+        experts = sum(p.numel() for n, p in chunks[0].named_parameters() if ".experts." in n)
+        assert experts == sparse * 2 * 3 * 64 * 48
+        routers = [n for n, _ in chunks[0].named_parameters() if n.endswith("router.weight")]
+        assert len(routers) == sparse
