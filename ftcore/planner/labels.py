@@ -41,8 +41,9 @@ def labels(cfg) -> dict[str, str]:
     }
     if is_moe(cfg.model):
         out["model_state"] = (
-            "derived: megatron's MoE layout (SequentialMLP experts, expert DDP buffers over the "
-            "expert data-parallel group); total/active counts equal transformers' models"
+            "measured: megatron's allocation per rank, equal to the byte on CPU (SequentialMLP "
+            "experts, expert DDP buffers over the expert data-parallel group); element counts "
+            "equal the GPU build's (dry build)"
         )
         out["moe_routing"] = (
             "assumed: the busiest EP rank receives plan.moe_imbalance x the mean routed tokens "
