@@ -13,10 +13,11 @@ Two implementations are modelled, because they save different tensors:
 The `local` numbers are checked against tensors counted with saved_tensors_hooks in
 tests/multiproc/test_planner_bytes*.py; the `te` ones follow the same accounting for TE's modules.
 
-A mixture-of-experts layer (moe_parts) keeps the router's input and probabilities and, for the
-routed token copies this EP rank receives, the experts' fc1 input, SwiGLU and fc2 input and the
-combine's weighted output. The busiest rank receives `routed` x the mean: plan.moe_imbalance
-(dropless) or moe.capacity_factor (the bound a capacity puts on an expert). Not yet measured.
+A mixture-of-experts layer (moe_parts) keeps the router's input and routing and, for the routed
+token copies this EP rank receives, the experts' fc1 input, weighted SwiGLU input and fc2 input
+(measured on CPU where all copies stay on the rank). With ep > 1 the busiest rank receives
+`routed` x the mean: plan.moe_imbalance (dropless, assumed) or moe.capacity_factor (the bound a
+capacity puts on an expert).
 """
 
 from __future__ import annotations
@@ -100,8 +101,6 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
     targets_frac = min(1.0, float(cfg.plan.target_fraction)) if picks else 1.0
     comm = cp.comm_type(p) if te else "all_gather"  # the CPU runtime's one CP attention
     moe = moe_fields(cfg)
-    if moe:
-        mlp_picks = False  # the last MoE layer runs at every position (no pick assumed)
     return Shape(
         s=cfg.data.seq_len,
         sl=cfg.data.seq_len // p.cp,
@@ -175,24 +174,23 @@ def moe_tokens(sh: Shape) -> tuple[int, float]:
 
 
 def moe_parts(sh: Shape) -> dict[str, int]:
-    """Saved bytes of a MoE layer's MLP side for one micro-batch (replacing MLP_PARTS)."""
+    """Saved bytes of a MoE layer's MLP side for one micro-batch (replacing MLP_PARTS), as
+    megatron-core 0.16.1 saves them: the pre-MLP norm's input and rstd; the router's input in
+    fp32, the top-k indices (int64) and probabilities, the [experts, tokens] routing map and
+    probabilities the permutation keeps, the permuted copies' int64 order; per routed copy the
+    experts' fc1 input, the input of the SwiGLU that applies the routing probability (and that
+    probability) and fc2's input. The combine keeps no activation (the probabilities were applied
+    in the experts)."""
     tm, r = moe_tokens(sh)
-    ab, h, f = sh.ab, sh.h, sh.fe // sh.etp
+    ab, h, f, k, e = sh.ab, sh.h, sh.fe // sh.etp, sh.topk, sh.experts
     lin_b = 1 if sh.fp8 else ab
-    norm = tm * h * ab + tm * 4 if sh.impl == "local" else 0
-    keeps = sh.full or "linear_fc1" in sh.targets
-    parts = {
-        "mlp_norm": norm,
-        # fp32 router: its input cast to fp32, the logits' softmax and the top-k probabilities
-        "router": tm * h * 4 + 2 * tm * sh.experts * 4,
-        "fc1": round(r * h * (lin_b if sh.impl == "te" else ab)) if keeps else 0,
-        "swiglu": round((3 if sh.impl == "local" else 2) * r * f * ab),
-        "fc2": round(r * f * lin_b) if (sh.full or "linear_fc2" in sh.targets) else 0,
-        "combine": round(r * h * ab + r * 4),  # the expert outputs and their probabilities
+    return {
+        "mlp_norm": tm * h * ab + tm * 4,
+        "router": tm * h * 4 + tm * k * (8 + 4) + tm * e * (1 + 4) + tm * k * 8,
+        "fc1": round(r * h * lin_b) if sh.full or "linear_fc1" in sh.targets else 0,
+        "swiglu": round(r * 2 * f * ab + r * 4),
+        "fc2": round(r * f * lin_b) if sh.full or "linear_fc2" in sh.targets else 0,
     }
-    if sh.impl == "te" and keeps:  # TE's norm is fused into the router's input path: its input
-        parts["mlp_norm"] = tm * h * ab + tm * 4
-    return parts
 
 
 def _keeps_input(sh: Shape, linear: str) -> bool:
@@ -282,6 +280,10 @@ def last_layer_saving(sh: Shape) -> int:
     parts = layer_parts(sh)
     picked = sum(parts[k] for k in MLP_PARTS)
     linears = MLP_LINEARS + (("linear_proj",) if sh.attn_picks else ())
+    if sh.moe and not sh.dense_layers:  # the MoE block runs at those positions
+        mlp = moe_layer_parts(sh)
+        picked = sum(mlp.get(k, 0) for k in (*MLP_PARTS, "router", "expert_lora"))
+        linears = ("linear_proj",) if sh.attn_picks else ()
     picked += sum(_lora_saved(sh, k, n) for k, n in sh.lora_a if k in linears) * sh.ab
     if sh.attn_picks:
         picked += sh.tokens * sh.q // sh.tp * sh.ab + _sdpa(sh) + parts["proj"]
