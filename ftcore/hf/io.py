@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
-from ftcore.hf import mappings
+from ftcore.hf import fused_experts, mappings
 
 log = logging.getLogger("ftcore")
 INDEX = "model.safetensors.index.json"
@@ -84,6 +84,7 @@ class SafetensorsDir:
                 for k in self._header(p):
                     if k != "__metadata__":
                         self.files[k] = p
+        self.fused = fused_experts.is_fused(self.files)  # transformers 5's 3D experts on disk
 
     def _header(self, path: Path, wanted: str | None = None) -> dict:
         if path not in self._headers:
@@ -115,7 +116,12 @@ class SafetensorsDir:
     def check_all(self, shapes: mappings.Shapes) -> None:
         """Every tensor of the model present with the config's shape, every shard whole (headers
         only). Run on every rank before reading, so all ranks fail alike instead of some waiting."""
-        for name in mappings.hf_names(shapes):
+        names = mappings.hf_names(shapes)
+        if self.fused:
+            for name, shape in fused_experts.fused_shapes(names, shapes, mappings.hf_shape).items():
+                self.check_shape(name, shape)
+            return
+        for name in names:
             self.check_shape(name, mappings.hf_shape(name, shapes))
 
     def read(self, piece: mappings.Piece) -> torch.Tensor:
@@ -127,9 +133,12 @@ class SafetensorsDir:
         try:
             with safe_open(str(path), framework="pt") as f:
                 sl = f.get_slice(piece.hf)
+                c = slice(*piece.cols) if piece.cols else slice(None)
+                if piece.expert is not None:  # one expert of a fused [E, rows, cols] tensor
+                    return sl[piece.expert : piece.expert + 1, r, c][0]
                 if len(sl.get_shape()) == 1:
                     return sl[r]
-                return sl[r, slice(*piece.cols)] if piece.cols else sl[r]
+                return sl[r, c] if piece.cols else sl[r]
         except (SafetensorError, OSError) as e:
             raise FtcoreError(f"cannot read tensor {piece.hf} from {path}: {e}", field=self.field,
                               fix="re-download or re-save the shard") from e  # fmt: skip
@@ -155,13 +164,16 @@ READ_BLOCK_BYTES = 16 * 2**20  # rows read per safetensors call: bounds the tran
 
 def _blocks(piece: mappings.Piece, shape: list[int], itemsize: int) -> list[mappings.Piece]:
     """`piece` cut into row blocks of at most READ_BLOCK_BYTES (1-D tensors stay whole)."""
+    if piece.expert is not None:  # a fused experts tensor: the expert's own [rows, cols]
+        shape = shape[1:]
     if len(shape) < 2:
         return [piece]
     r0, r1 = piece.rows or (0, shape[0])
     width = (piece.cols[1] - piece.cols[0]) if piece.cols else shape[1]
     step = max(1, READ_BLOCK_BYTES // max(1, width * itemsize))
     return [
-        mappings.Piece(piece.hf, (a, min(a + step, r1)), piece.cols) for a in range(r0, r1, step)
+        mappings.Piece(piece.hf, (a, min(a + step, r1)), piece.cols, piece.expert)
+        for a in range(r0, r1, step)
     ]
 
 
@@ -206,6 +218,8 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
                               fix="load HF weights before adding adapters; only the layers of ftcore/config/families.py are mapped")  # fmt: skip
         n, r = tp_of(name) if is_expert(name) else (tp, tp_rank)  # an expert: only its own
         pieces = mappings.shard_pieces(mp, info=shard_info(name, p, n), s=shapes, tp_rank=r, tp=n)
+        if st.fused:
+            pieces = [fused_experts.fused_piece(x, shapes.moe_ffn) for x in pieces]
         take = getattr(p, "take_whole", None)  # QLoRA's NF4 linears (models/nf4.py), on meta
         whole = take is not None or _quantized(p)
         device = getattr(p, "whole_device", p.device)

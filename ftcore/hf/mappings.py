@@ -121,11 +121,13 @@ class Mapped:
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows [r0, r1) and columns [c0, c1) of an HF tensor (None = all); hf=None: zero rows."""
+    """Rows [r0, r1) and columns [c0, c1) of an HF tensor (None = all); hf=None: zero rows;
+    `expert`: the index along a fused 3D experts tensor's first axis (hf/fused_experts.py)."""
 
     hf: str | None
     rows: tuple[int, int] | None = None
     cols: tuple[int, int] | None = None
+    expert: int | None = None
 
 
 def resolve(name: str, tie: bool, s: Shapes | None = None) -> Mapped | None:

@@ -328,9 +328,7 @@ def check_layout(
     check_divisibility(cfg, world_size_of(cfg, launched))
     from ftcore.validation.moe_checks import check_moe
 
-    check_moe(
-        cfg, world_size_of(cfg, launched), training=training
-    )  # experts: ep, etp (docs/moe.md)
+    check_moe(cfg, world_size_of(cfg, launched), training=training)  # ep, etp: docs/moe.md
     from ftcore.models import speed
 
     speed.check(cfg)  # overlap, recompute, fusions, CUDA graphs: ftcore's rules, then megatron's

@@ -51,6 +51,9 @@ def check_moe(cfg: DictConfig, world: int | None, *, training: bool) -> None:
     if m.family == "mixtral" and (m.get("moe_dense_layers") or []):
         _no("Mixtral has no dense layers (transformers' MixtralForCausalLM could not hold them)",
             "model.moe_dense_layers", "model.moe_dense_layers=[] (or family qwen3_moe)")  # fmt: skip
+    if m.family == "mixtral" and not m.get("moe_norm_topk_prob", True):
+        _no("Mixtral's router always renormalises its top k (softmax over the chosen logits)",
+            "model.moe_norm_topk_prob", "model.moe_norm_topk_prob=true (or family qwen3_moe)")  # fmt: skip
     if experts % ep:
         ok = [d for d in range(1, experts + 1) if experts % d == 0]
         _no(f"parallel.ep={ep} does not divide num_experts={experts}", "parallel.ep",

@@ -142,3 +142,21 @@ def test_ep2_with_tp_or_pp_eval(family, layout, pool4, built, tmp_path):
     check_against_hf(res, ref, f"{family} ep2 x {layout[0]}", RTOL)
     for r in res:
         assert r["experts"] == {2 * r["ep_rank"], 2 * r["ep_rank"] + 1}, (r["rank"], r["experts"])
+
+
+@pytest.mark.dist
+def test_fused_layout_reads_at_ep2(pool2, built, tmp_path):
+    """transformers 5's fused expert layout (save_original_format=False: 3D gate_up_proj and
+    down_proj, the router under mlp.gate) loads at ep=2 as the published one does, and exports
+    as the published per-expert layout, bit-identical."""
+    from transformers import AutoTokenizer
+
+    ref = built("mixtral")
+    fused = tmp_path / "fused"
+    hf_model(ref["path"]).save_pretrained(str(fused), save_original_format=False)
+    AutoTokenizer.from_pretrained(ref["path"]).save_pretrained(str(fused))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in read_hf_dir(fused)
+    res = pool2.run(load_case, str(fused), str(tmp_path / "run"), ["parallel.ep=2"], ref["x"],
+                    ref["data"], export=True)  # fmt: skip
+    check_against_hf(res, ref, "mixtral fused ep2", RTOL)
+    _bit_identical(tmp_path / "run" / "hf_model", ref, "mixtral fused ep2")

@@ -25,6 +25,8 @@ MOE = ["model.family=qwen3_moe", "model.num_experts=4", "model.moe_ffn_hidden_si
         (["model.moe_router_topk=5"], 1, False, "model.moe_router_topk", "> num_experts=4"),
         (["model.moe_dense_layers=[7]"], 1, False, "model.moe_dense_layers", "[7]"),
         (["model.family=mixtral"], 1, False, "model.moe_dense_layers", "Mixtral has no dense"),
+        (["model.family=mixtral", "model.moe_dense_layers=[]", "model.moe_norm_topk_prob=false"],
+         1, False, "model.moe_norm_topk_prob", "renormalises"),
         (["model.family=llama"], 1, False, "model.num_experts", "has no experts"),
         (["model.num_experts=null", "model.family=llama", "parallel.ep=2"], 2, False,
          "parallel.ep", "is dense"),
