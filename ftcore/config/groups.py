@@ -334,6 +334,9 @@ class PlanConfig:
     # of the job's world) and check it against the planner: `dry_build` in the plan, exit 2 when a
     # tensor is off the device or a count differs (ftcore/training/dry_build.py)
     dry_build: bool = False
+    # MoE, dropless: the busiest expert's routed tokens over the mean, applied to an EP rank's
+    # routed activations and expert time (docs/planner.md); a capacity factor bounds it instead
+    moe_imbalance: float = 1.5
 
 
 @dataclass

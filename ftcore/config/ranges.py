@@ -138,6 +138,7 @@ RANGES: dict[str, Range] = {
     "plan.top": AT_LEAST_1,
     "plan.target_fraction": SHARE,
     "plan.headroom": FRACTION,
+    "plan.moe_imbalance": Range(1, note="the busiest expert over the mean; 1 = balanced"),
     "export.max_shard_gb": POSITIVE,
     "generate.max_new_tokens": AT_LEAST_1,
     "generate.temperature": Range(0, note="0 = greedy"),

@@ -11,9 +11,11 @@ from omegaconf import DictConfig
 from ftcore.errors import FtcoreError
 from ftcore.planner import memory
 from ftcore.planner import throughput as _throughput
+from ftcore.planner.activations import routed_factor
 from ftcore.planner.cp import comm_type as cp_comm_type
 from ftcore.planner.labels import labels
 from ftcore.planner.memory import GiB, StageMemory, all_stages, host_bytes
+from ftcore.planner.params import active_params, is_moe, moe_layer_count, total_params
 from ftcore.planner.search import smallest_fit
 from ftcore.planner.view import view
 
@@ -91,6 +93,24 @@ def _host_gib(cfg, world: int) -> dict:
     return {k: max(h[k] for h in per_stage) / GiB for k in per_stage[0]}
 
 
+def _params(cfg, world: int) -> dict:
+    """Total and active parameters; for a MoE model the experts and where they live."""
+    out = {"total": total_params(cfg), "active": active_params(cfg)}
+    m, p = cfg.model, cfg.parallel
+    if is_moe(m):
+        ep = getattr(p, "ep", 1)
+        dpc = world // (p.tp * p.pp * p.cp) * p.cp
+        out["moe"] = {
+            "experts": m.num_experts,
+            "topk": m.moe_router_topk,
+            "moe_layers": moe_layer_count(m),
+            "experts_per_ep_rank": m.num_experts // ep,
+            "expert_dp": memory.expert_dp(cfg, dpc),
+            "routed_factor": routed_factor(cfg),
+        }
+    return out
+
+
 def gpus_needed(cfg: DictConfig) -> int | None:
     """Fewest GPUs of this cluster type on which some layout fits (search over tp/pp/cp/dp)."""
     return smallest_fit(cfg)
@@ -120,6 +140,8 @@ def plan(cfg: DictConfig, world_size: int | None = None) -> dict:
             "cp": p.cp,
             "cp_comm_type": cp_comm_type(p),
             "dp": world // (p.tp * p.pp * p.cp),
+            "ep": getattr(p, "ep", 1),
+            "etp": getattr(p, "etp", 1),
             "sp": bool(p.sp),
             "distributed_optimizer": bool(p.distributed_optimizer),
             "recompute": p.recompute,
@@ -127,6 +149,7 @@ def plan(cfg: DictConfig, world_size: int | None = None) -> dict:
             "global_batch_size": cfg.train.global_batch_size,
             "seq_len": cfg.data.seq_len,
         },
+        "params": _params(cfg, world),
         "gpu_mem_gib": cap / GiB,
         "memory_gib": {
             "weights": worst.weights / GiB,
@@ -158,5 +181,6 @@ def plan(cfg: DictConfig, world_size: int | None = None) -> dict:
             "dp_comm": st.dp_comm_s,
             "optimizer": st.optimizer_s,
             "overhead": st.overhead_s,
+            "ep_a2a": st.ep_comm_s,
         },
     }

@@ -12,6 +12,12 @@ Two implementations are modelled, because they save different tensors:
   inputs quantized (1 byte).
 The `local` numbers are checked against tensors counted with saved_tensors_hooks in
 tests/multiproc/test_planner_bytes*.py; the `te` ones follow the same accounting for TE's modules.
+
+A mixture-of-experts layer (moe_parts) keeps the router's input and routing and, for the routed
+token copies this EP rank receives, the experts' fc1 input, weighted SwiGLU input and fc2 input
+(measured on CPU where all copies stay on the rank). With ep > 1 the busiest rank receives
+`routed` x the mean: plan.moe_imbalance (dropless, assumed) or moe.capacity_factor (the bound a
+capacity puts on an expert).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from omegaconf import DictConfig
 
 from ftcore.planner import cp
 from ftcore.planner.layers import split_layers
-from ftcore.planner.params import lora_plan, padded_vocab
+from ftcore.planner.params import is_moe, lora_plan, moe_layer_count, padded_vocab
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
@@ -59,6 +65,13 @@ class Shape:
     cp_comm: str = "p2p"  # parallel.cp_comm_type (cp.py)
     a2a: int = 1  # CP ranks one all-to-all spans
     recompute_modules: tuple[str, ...] = ("core_attn",)  # what selective recompute recomputes
+    moe: bool = False  # routed experts in (some) layers
+    dense_layers: bool = True  # some layers have a dense MLP
+    experts: int = 0
+    topk: int = 0
+    fe: int = 0  # an expert's ffn width
+    etp: int = 1
+    routed: float = 1.0  # the busiest EP rank's routed tokens over the mean
 
     def recomputes(self, module: str) -> bool:
         """Selective recompute of `module` (core_attn | mlp | layernorm): parallel.recompute_modules."""
@@ -103,6 +116,7 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
     mlp_picks = picks and not p.sp and p.recompute != "full" and not quant
     targets_frac = min(1.0, float(cfg.plan.target_fraction)) if picks else 1.0
     comm = cp.comm_type(p) if te else "all_gather"  # the CPU runtime's one CP attention
+    moe = moe_fields(cfg)
     return Shape(
         s=cfg.data.seq_len,
         sl=cfg.data.seq_len // p.cp,
@@ -140,7 +154,59 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
             m, p.tp, p.cp, comm, cfg.cluster.nvlink_domain or 1, cp.hierarchical_sizes(p)
         ),
         recompute_modules=tuple(getattr(p, "recompute_modules", ("core_attn",))),
+        **moe,
     )
+
+
+def routed_factor(cfg) -> float:
+    """The busiest EP rank's routed tokens over the mean: the capacity factor where one bounds
+    each expert, else plan.moe_imbalance (dropless: an assumption, docs/planner.md)."""
+    cap = getattr(getattr(cfg, "moe", None), "capacity_factor", None)
+    if cap:
+        return float(cap)
+    return float(getattr(cfg.plan, "moe_imbalance", 1.0) or 1.0)
+
+
+def moe_fields(cfg) -> dict:
+    m, p = cfg.model, cfg.parallel
+    if not is_moe(m):
+        return {}
+    return dict(
+        moe=True,
+        dense_layers=moe_layer_count(m) < m.num_layers,
+        experts=m.num_experts,
+        topk=m.moe_router_topk,
+        fe=m.moe_ffn_hidden_size or m.ffn_hidden_size,
+        etp=getattr(p, "etp", 1) or 1,
+        routed=routed_factor(cfg),
+    )
+
+
+def moe_tokens(sh: Shape) -> tuple[int, float]:
+    """(tokens entering the router on this rank, routed copies it receives on the busiest rank).
+    Under SP a TP rank routes its own tokens; etp > 1 gathers its group's copies."""
+    tm = sh.tokens // sh.tp if sh.sp else sh.tokens
+    return tm, tm * sh.topk * sh.etp * sh.routed
+
+
+def moe_parts(sh: Shape) -> dict[str, int]:
+    """Saved bytes of a MoE layer's MLP side for one micro-batch (replacing MLP_PARTS), as
+    megatron-core 0.16.1 saves them: the pre-MLP norm's input and rstd; the router's input in
+    fp32, the top-k indices (int64) and probabilities, the [experts, tokens] routing map and
+    probabilities the permutation keeps, the permuted copies' int64 order; per routed copy the
+    experts' fc1 input, the input of the SwiGLU that applies the routing probability (and that
+    probability) and fc2's input. The combine keeps no activation (the probabilities were applied
+    in the experts)."""
+    tm, r = moe_tokens(sh)
+    ab, h, f, k, e = sh.ab, sh.h, sh.fe // sh.etp, sh.topk, sh.experts
+    lin_b = 1 if sh.fp8 else ab
+    return {
+        "mlp_norm": tm * h * ab + tm * 4,
+        "router": tm * h * 4 + tm * k * (8 + 4) + tm * e * (1 + 4) + tm * k * 8,
+        "fc1": round(r * h * lin_b) if sh.full or "linear_fc1" in sh.targets else 0,
+        "swiglu": round(r * 2 * f * ab + r * 4),
+        "fc2": round(r * f * lin_b) if sh.full or "linear_fc2" in sh.targets else 0,
+    }
 
 
 def _keeps_input(sh: Shape, linear: str) -> bool:
@@ -230,6 +296,10 @@ def last_layer_saving(sh: Shape) -> int:
     parts = layer_parts(sh)
     picked = sum(parts[k] for k in MLP_PARTS)
     linears = MLP_LINEARS + (("linear_proj",) if sh.attn_picks else ())
+    if sh.moe and not sh.dense_layers:  # the MoE block runs at those positions
+        mlp = moe_layer_parts(sh)
+        picked = sum(mlp.get(k, 0) for k in (*MLP_PARTS, "router", "expert_lora"))
+        linears = ("linear_proj",) if sh.attn_picks else ()
     picked += sum(_lora_saved(sh, k, n) for k, n in sh.lora_a if k in linears) * sh.ab
     if sh.attn_picks:
         picked += sh.tokens * sh.q // sh.tp * sh.ab + _sdpa(sh) + parts["proj"]
@@ -237,10 +307,27 @@ def last_layer_saving(sh: Shape) -> int:
 
 
 def layer_bytes(sh: Shape) -> int:
-    """Saved bytes per layer per micro-batch, after recompute."""
+    """Saved bytes per layer per micro-batch, after recompute. A MoE model counts its MoE layer
+    (the larger of it and a dense one where both kinds exist: an upper bound)."""
     if sh.recompute == "full":
         return sh.tokens * sh.hs * sh.ab  # only the layer input is checkpointed
-    return sum(layer_parts(sh).values())
+    dense = sum(layer_parts(sh).values())
+    if not sh.moe:
+        return dense
+    moe = sum(moe_layer_parts(sh).values())
+    return max(dense, moe) if sh.dense_layers else moe
+
+
+def moe_layer_parts(sh: Shape) -> dict[str, int]:
+    """A MoE layer's parts: the attention side of layer_parts, the MLP side of moe_parts."""
+    parts = {k: v for k, v in layer_parts(sh).items() if k not in MLP_PARTS}
+    tm, r = moe_tokens(sh)
+    attn_lora = [(k, n) for k, n in sh.lora_a if k not in MLP_LINEARS]
+    parts["lora"] = sum(_lora_saved(sh, k, n) for k, n in attn_lora) * sh.ab
+    if sh.recomputes("mlp"):  # the MoE block keeps its input only
+        return {**parts, "mlp": tm * sh.h * sh.ab}
+    expert_lora = sum(round(r * sh.r * n) for k, n in sh.lora_a if k in MLP_LINEARS) * sh.ab
+    return {**parts, **moe_parts(sh), "expert_lora": expert_lora}
 
 
 def loss_bytes(sh: Shape) -> dict[str, int]:
@@ -265,7 +352,7 @@ def recompute_transient(sh: Shape) -> int:
     """Full recompute: one layer's activations exist again while its backward runs."""
     if sh.recompute != "full":
         return 0
-    return sum(layer_parts(Shape(**{**sh.__dict__, "recompute": "none"})).values())
+    return layer_bytes(Shape(**{**sh.__dict__, "recompute": "none"}))
 
 
 def in_flight_layers(cfg: DictConfig, pp_rank: int, num_micro: int) -> tuple[int, int]:

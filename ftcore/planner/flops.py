@@ -5,6 +5,8 @@ N' = parameters without the input embedding (the LM head counts);
 - full training: 6N' + the causal attention term 6 * seq_len * (heads * head_dim) per layer
   (forward QK^T and AV over seq_len/2 keys on average, backward twice that);
 - LoRA: 4N' (forward and input gradients of the frozen base; adapters and attention not counted).
+A mixture of experts counts its active parameters in N': each MoE layer's router and top-k
+experts (Megatron-Bridge's MoE rows reproduce as this to 0.1%: tests/unit/planner/test_fit.py).
 Executed work is what the time model needs: GEMMs by precision, attention (flash backward
 recomputes QK^T: 2.5x its forward), recompute, the LM head and the last layer's MLP (and on CPU
 its attention's queries and output projection) at the target positions (plan.target_fraction); it
@@ -17,18 +19,39 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from ftcore.planner.activations import MLP_LINEARS, reference_forwards, rows_per_item, shape_of
+from ftcore.planner.activations import (
+    MLP_LINEARS,
+    moe_tokens,
+    reference_forwards,
+    rows_per_item,
+    shape_of,
+)
 from ftcore.planner.layers import split_layers
-from ftcore.planner.params import linear_shapes, lora_params, lora_plan, padded_vocab
+from ftcore.planner.params import (
+    expert_shapes,
+    linear_shapes,
+    lora_params,
+    lora_plan,
+    moe_layer,
+    moe_layer_count,
+    padded_vocab,
+)
 
 FLASH_BWD = 2.5  # flash-attention backward work relative to its forward
 
 
 def n_prime(cfg: DictConfig) -> int:
-    """Base-model parameters without the input embedding (the LM head counts)."""
+    """Base-model parameters without the input embedding (the LM head counts); a MoE layer's
+    router and top-k experts in place of a dense MLP."""
     m = cfg.model
     lin = sum(o * i for o, i in linear_shapes(m, 1).values())
-    return m.num_layers * (lin + 2 * m.hidden_size) + m.hidden_size + m.vocab_size * m.hidden_size
+    n = m.num_layers * (lin + 2 * m.hidden_size) + m.hidden_size + m.vocab_size * m.hidden_size
+    n_moe = moe_layer_count(m)
+    if n_moe:
+        dense = sum(o * i for k, (o, i) in linear_shapes(m, 1).items() if k in MLP_LINEARS)
+        routed = m.moe_router_topk * sum(o * i for o, i in expert_shapes(m, 1).values())
+        n += n_moe * (m.num_experts * m.hidden_size + routed - dense)
+    return n
 
 
 def attention_flops_per_token(cfg: DictConfig) -> float:
@@ -65,6 +88,33 @@ class Work:
     gemm_base: float = 0.0  # in params_dtype (LM head, first/last bf16 layers, adapters)
     attention: float = 0.0
     layers: int = 0
+    moe_layers: int = 0  # of them, layers with routed experts
+
+
+def _moe_layer_flops(cfg, shapes, adapters_of, passes: int) -> tuple[float, float]:
+    """(GEMM FLOPs, adapter FLOPs) of one MoE layer on the busiest EP rank, one micro-batch:
+    attention linears over its tokens, the router over the tokens it routes, its experts over the
+    routed copies it receives (activations.moe_tokens: top-k x the imbalance assumed)."""
+    m, p = cfg.model, cfg.parallel
+    if not moe_layer_count(m):
+        return 0.0, 0.0
+    sh = shape_of(cfg)
+    tm, routed = moe_tokens(sh)
+    etp = getattr(p, "etp", 1) or 1
+    attn = sum(o * i for k, (o, i) in shapes.items() if k not in MLP_LINEARS)
+    expert = sum(o * i for o, i in expert_shapes(m, etp).values())
+    f = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    plan = lora_plan(cfg)
+    expert_ad = sum(
+        n
+        for t, sl in plan.items()
+        if t in MLP_LINEARS
+        for _, n in lora_params(m, t, sl, cfg.peft.r, etp, f)
+    )
+    attn_ad = sum(n for t, n in adapters_of.items() if t not in MLP_LINEARS)
+    gemm = 2.0 * passes * (sh.tokens * attn + tm * m.num_experts * m.hidden_size + routed * expert)
+    extra = 3 + (1 if p.recompute == "full" else 0)
+    return gemm, 2.0 * extra * (sh.tokens * attn_ad + routed * expert_ad)
 
 
 def micro_batch_work(cfg: DictConfig, pp_rank: int) -> Work:
@@ -88,14 +138,19 @@ def micro_batch_work(cfg: DictConfig, pp_rank: int) -> Work:
     quant = bool(cfg.precision.fp8_recipe or cfg.precision.fp4_recipe)
     keep = cfg.precision.first_last_bf16_layers
     w = Work(layers=sum(split[pp_rank]))
+    moe_flops, moe_adapter_flops = _moe_layer_flops(cfg, shapes, adapters_of, passes)
     for v, n in enumerate(split[pp_rank]):
         for layer in range(offsets[v], offsets[v] + n):
             flops = 2.0 * tokens * lin * passes
+            ad = 2.0 * tokens * adapters * (3 + recompute_fwd)
+            if moe_layer(m, layer):
+                flops, ad = moe_flops, moe_adapter_flops
+                w.moe_layers += 1
             if quant and keep <= layer < m.num_layers - keep:
                 w.gemm_quant += flops
             else:
                 w.gemm_base += flops
-    w.gemm_base += 2.0 * tokens * adapters * (3 + recompute_fwd) * w.layers
+            w.gemm_base += ad
     fwd = attention_forward_flops(cfg)
     modules = getattr(p, "recompute_modules", ["core_attn"]) if p.recompute == "selective" else []
     attn_again = p.recompute == "full" or "core_attn" in modules

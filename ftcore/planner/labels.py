@@ -4,6 +4,7 @@ here has run on is a prediction; the label says how far to trust each part of it
 from __future__ import annotations
 
 from ftcore.planner import calibration, host
+from ftcore.planner.params import is_moe
 
 SPEED = {  # calibration.py says what each fit is to
     "h100": "fitted: to the published H100 rows (tests/data/published_throughput.csv; each "
@@ -25,7 +26,7 @@ def labels(cfg) -> dict[str, str]:
     mine = [k for k in calibration.KEYS if k != "nvlink_gbps" and getattr(c, k, None) is not None]
     if mine:
         speed += f"; set by you: {', '.join(mine)}"
-    return {
+    out = {
         "model_state": "measured: megatron's allocation per rank, equal to the byte (on CPU)",
         "activations": "assumed: the CPU-measured accounting, not yet measured on a GPU"
         if gpu
@@ -38,3 +39,14 @@ def labels(cfg) -> dict[str, str]:
         else f"datasheet: conf/cluster/{c.name}.yaml",
         "speed": speed,
     }
+    if is_moe(cfg.model):
+        out["model_state"] = (
+            "measured: megatron's allocation per rank, equal to the byte on CPU (SequentialMLP "
+            "experts, expert DDP buffers over the expert data-parallel group); element counts "
+            "equal the GPU build's (dry build)"
+        )
+        out["moe_routing"] = (
+            "assumed: the busiest EP rank receives plan.moe_imbalance x the mean routed tokens "
+            "(moe.capacity_factor where set); the all-to-alls fully exposed; not yet measured"
+        )
+    return out

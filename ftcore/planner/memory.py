@@ -7,6 +7,9 @@ Model state is replayed the way megatron allocates it, so it is exact on CPU:
 - the distributed optimizer gives rank i elements [i*n/dp, (i+1)*n/dp) of the buffer and keeps fp32
   main params (bf16 models only; fp32 models use views) and Adam's two moments for the parameter
   elements inside that range; without it every rank keeps them for all trainable elements;
+- expert parameters (MoE; params.py) fill a second buffer per chunk, reduced and, with the
+  distributed optimizer, sharded over the expert data-parallel group: world / (pp * ep * etp)
+  ranks (tp * dp * cp / (ep * etp)), which holds the same experts;
 - frozen parameters (LoRA's base) keep their own storage and have no gradient or optimizer state;
 - FP8/FP4 (GPU): TE caches the quantized weights between micro-batches (data, plus a transposed
   copy on Hopper where FP8 GEMMs need the TN layout); with `precision.fp8_param_gather` the weights
@@ -147,8 +150,15 @@ def nf4_bytes(double_quant: bool, block: int = 64) -> float:
     return 0.5 + (1 / block + 4 / (block * 256) if double_quant else 4 / block)
 
 
+def expert_dp(cfg, dp: int) -> int:
+    """The expert data-parallel size for a dense dp*cp of `dp`: world / (pp * ep * etp)."""
+    p = cfg.parallel
+    return max(dp * p.tp // ((getattr(p, "ep", 1) or 1) * (getattr(p, "etp", 1) or 1)), 1)
+
+
 def model_state(cfg: DictConfig, pp_rank: int, dp: int, dp_rank: int = 0) -> dict[str, int]:
-    """Weights, grads and optimizer bytes of one rank; `dp` counts dp*cp (megatron's dp_cp group)."""
+    """Weights, grads and optimizer bytes of one rank; `dp` counts dp*cp (megatron's dp_cp group;
+    expert parameters use expert_dp of it)."""
     cfg = view(cfg)
     cache = cfg.__dict__.setdefault("_cache", {})
     key = ("model_state", pp_rank, dp, dp_rank)
@@ -158,7 +168,7 @@ def model_state(cfg: DictConfig, pp_rank: int, dp: int, dp_rank: int = 0) -> dic
 
 
 def _model_state(cfg, pp_rank: int, dp: int, dp_rank: int) -> dict[str, int]:
-    pr, p = cfg.precision, cfg.parallel
+    pr = cfg.precision
     pb = act.DTYPE_BYTES[pr.params_dtype]
     gb = grad_bytes(cfg)
     qbytes = quantized_weight_bytes(cfg)
@@ -167,7 +177,8 @@ def _model_state(cfg, pp_rank: int, dp: int, dp_rank: int) -> dict[str, int]:
     loaded = bool(cfg.model.hf_path or cfg.model.init_path)
     on_cpu = cfg.cluster.device == "cpu"
     out = dict(weights=0, grads=0, optimizer=0, frozen=0, trainable=0, quantized_cache=0,
-               elements=0, load_resident=0, load_in_flight=0, reference=0)  # fmt: skip
+               elements=0, load_resident=0, load_in_flight=0, reference=0, expert_grads=0,
+               expert_trainable=0)  # fmt: skip
     for chunk in rank_params(cfg, pp_rank):
         trainable = [q for q in chunk if q.trainable]
         for q in chunk:
@@ -195,28 +206,35 @@ def _model_state(cfg, pp_rank: int, dp: int, dp_rank: int) -> dict[str, int]:
                 out["load_resident"] += q.numel * (qbytes if quant and param_gather else pb)
             if quant and param_gather:  # assembled in high precision, written with one copy_
                 out["load_in_flight"] = max(out["load_in_flight"], q.numel * pb)
-        if not trainable:
-            continue
-        ranges, size = buffer_layout(trainable, dp, p.distributed_optimizer)
-        tb = 1 if param_gather else pb
-        out["trainable"] += (
-            size if p.distributed_optimizer else sum(q.numel for q in trainable)
-        ) * tb
-        out["grads"] += size * gb
-        if p.distributed_optimizer:
-            elems, tensors = _shard_elements(ranges, size, dp, dp_rank)
-        else:
-            elems, tensors = sum(q.numel for q in trainable), len(trainable)
-        main = 4 if (pb != 4 or param_gather) else 0  # fp32 master copy of bf16/fp8 weights
-        out["optimizer"] += elems * (main + 8) + (
-            tensors * 4 if on_cpu else 0
-        )  # + torch Adam's step
+        for group in ([q for q in trainable if not q.expert], [q for q in trainable if q.expert]):
+            if group:
+                gdp = expert_dp(cfg, dp) if group[0].expert else dp
+                _buffer_state(out, group, gdp, dp_rank % gdp, cfg, pb, gb, param_gather, on_cpu)
     if act.reference_forwards(cfg) and cfg.peft.name == "none":
         # full fine-tuning DPO: a frozen copy of the starting weights, sharded like the policy
         # (training/dpo.py); LoRA's reference is the same model with its adapters off
         out["reference"] = out["elements"] * pb
     out["weights"] = out["frozen"] + out["trainable"] + out["quantized_cache"] + out["reference"]
     return out
+
+
+def _buffer_state(out, trainable, dp, dp_rank, cfg, pb, gb, param_gather, on_cpu) -> None:
+    """Add one DDP buffer's trainable weights, gradients and optimizer state to `out`."""
+    p = cfg.parallel
+    ranges, size = buffer_layout(trainable, dp, p.distributed_optimizer)
+    tb = 1 if param_gather else pb
+    weights = (size if p.distributed_optimizer else sum(q.numel for q in trainable)) * tb
+    out["trainable"] += weights
+    out["grads"] += size * gb
+    if trainable[0].expert:
+        out["expert_trainable"] += weights
+        out["expert_grads"] += size * gb
+    if p.distributed_optimizer:
+        elems, tensors = _shard_elements(ranges, size, dp, dp_rank)
+    else:
+        elems, tensors = sum(q.numel for q in trainable), len(trainable)
+    main = 4 if (pb != 4 or param_gather) else 0  # fp32 master copy of bf16/fp8 weights
+    out["optimizer"] += elems * (main + 8) + (tensors * 4 if on_cpu else 0)  # + torch Adam's step
 
 
 def stage_memory(

@@ -6,11 +6,17 @@ fc1, fc2, each linear followed by its adapters, then final norm and output layer
 buffer layout and its padding can be replayed exactly in `memory.py`. The family's extras
 (config/families.py: Qwen2's q/k/v bias, Qwen3's [head_dim] q/k norms) are counted like megatron
 allocates them.
+
+A mixture-of-experts layer (model.num_experts set, the layer not in model.moe_dense_layers) has,
+after its attention and pre-MLP norm, the router ([experts, hidden], replicated over TP) and this
+EP rank's experts (num_experts / ep of them, each an fc1/fc2 pair split over etp, in megatron's
+SequentialMLP order); expert parameters (and their adapters) are `expert=True`: megatron keeps
+them in buffers of their own, reduced over the expert data-parallel group (memory.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from omegaconf import DictConfig
 
@@ -29,13 +35,15 @@ LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ROW_PARALLEL = ("linear_proj", "linear_fc2")  # input split over TP; the others split their output
 
 
-@dataclass(frozen=True)
-class Param:
+class Param(NamedTuple):
+    """One parameter of one rank (a tuple: a 235B MoE rank has ~10^4 of them per layout)."""
+
     name: str  # stage-local name, e.g. layers.3.linear_fc1 (global layer index)
     numel: int  # elements on this rank
     trainable: bool
-    kind: str  # embedding | norm | linear | bias | output | lora
+    kind: str  # embedding | norm | linear | bias | output | lora | router
     layer: int = -1  # global transformer layer index (-1 outside the layers)
+    expert: bool = False  # an expert's weight or adapter (EP-sharded, its own DDP buffer)
 
 
 def padded_vocab(vocab_size: int, tp: int, multiple: int = 128) -> int:
@@ -83,10 +91,29 @@ def linear_shapes(m: DictConfig, tp: int) -> dict[str, tuple[int, int]]:
     }
 
 
-def slice_out_in(m: DictConfig, name: str) -> tuple[int, int]:
-    """Full (out, in) of one Hugging Face slice."""
+def is_moe(m) -> bool:
+    return bool(getattr(m, "num_experts", None))
+
+
+def moe_layer(m, layer: int) -> bool:
+    """Whether global layer `layer` has routed experts (else a dense MLP of ffn_hidden_size)."""
+    return is_moe(m) and layer not in set(getattr(m, "moe_dense_layers", None) or ())
+
+
+def moe_layer_count(m) -> int:
+    return sum(moe_layer(m, i) for i in range(m.num_layers))
+
+
+def expert_shapes(m, etp: int) -> dict[str, tuple[int, int]]:
+    """(out, in) of one expert's fc1 (gate and up) and fc2 on one expert-TP rank."""
+    f = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    return {"linear_fc1": (2 * f // etp, m.hidden_size), "linear_fc2": (m.hidden_size, f // etp)}
+
+
+def slice_out_in(m: DictConfig, name: str, ffn: int | None = None) -> tuple[int, int]:
+    """Full (out, in) of one Hugging Face slice (`ffn`: an expert's width instead of the MLP's)."""
     d = m.kv_channels or m.hidden_size // m.num_attention_heads
-    h, f = m.hidden_size, m.ffn_hidden_size
+    h, f = m.hidden_size, ffn or m.ffn_hidden_size
     q, kv = m.num_attention_heads * d, m.num_query_groups * d
     return {
         "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
@@ -95,7 +122,7 @@ def slice_out_in(m: DictConfig, name: str) -> tuple[int, int]:
 
 
 def lora_params(
-    m: DictConfig, module: str, slices: dict[str, str], r: int, tp: int
+    m: DictConfig, module: str, slices: dict[str, str], r: int, tp: int, ffn: int | None = None
 ) -> list[tuple[str, int]]:
     """(name, elements on one TP rank) of a linear's adapters, A's then B's as registered.
     Column-parallel base: A (r x in) replicated, B (slice_out/tp x r). Row-parallel base:
@@ -103,7 +130,7 @@ def lora_params(
     column = module not in ROW_PARALLEL
     a_out, b_out = [], []
     for s, key in slices.items():
-        out, inp = slice_out_in(m, s)
+        out, inp = slice_out_in(m, s, ffn)
         if key not in [k for k, _ in a_out]:
             a_out.append((key, r * (inp if column else inp // tp)))
         b_out.append((s, (out // tp if column else out) * r))
@@ -111,11 +138,31 @@ def lora_params(
 
 
 def layer_params(cfg: DictConfig, layer: int, tp: int) -> list[Param]:
-    return _renamed(_layer_template(cfg, tp), layer)
+    return _renamed(_layer_template(cfg, tp, moe_layer(cfg.model, layer)), layer)
 
 
-def _layer_template(cfg: DictConfig, tp: int) -> list[tuple[str, int, bool, str]]:
-    """(suffix, elements, trainable, kind) of one layer's parameters in registration order."""
+def _expert_template(cfg: DictConfig) -> list[tuple[str, int, bool, str, bool]]:
+    """The router and this EP rank's experts with their adapters (megatron's MoELayer order)."""
+    m, p = cfg.model, cfg.parallel
+    full = cfg.peft.name == "none"
+    etp = getattr(p, "etp", 1) or 1
+    f = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    plan = lora_plan(cfg)
+    out = [("mlp.router.weight", m.num_experts * m.hidden_size, full, "router", False)]
+    for e in range(m.num_experts // (getattr(p, "ep", 1) or 1)):
+        for name, (o, i) in expert_shapes(m, etp).items():
+            pre = f"mlp.experts.local_experts.{e}.{name}"
+            out.append((pre, o * i, full, "linear", True))
+            for pname, n in lora_params(m, name, plan.get(name, {}), cfg.peft.r, etp, f):
+                out.append((f"{pre}.{pname}", n, True, "lora", True))
+    return out
+
+
+def _layer_template(
+    cfg: DictConfig, tp: int, moe: bool = False
+) -> list[tuple[str, int, bool, str, bool]]:
+    """(suffix, elements, trainable, kind, expert) of one layer's parameters in registration
+    order."""
     m = cfg.model
     h = m.hidden_size
     full = cfg.peft.name == "none"
@@ -123,24 +170,29 @@ def _layer_template(cfg: DictConfig, tp: int) -> list[tuple[str, int, bool, str]
     shapes = linear_shapes(m, tp)
     fam = family(m)
     d = m.kv_channels or m.hidden_size // m.num_attention_heads
-    out = [("input_layernorm", h, full, "norm")]
+    out = [("input_layernorm", h, full, "norm", False)]
     for name in ("linear_proj", "linear_qkv", "linear_fc1", "linear_fc2"):
         if name == "linear_fc1":
             if fam.qk_layernorm:  # replicated over TP: one [head_dim] weight each
-                out += [("q_layernorm", d, full, "norm"), ("k_layernorm", d, full, "norm")]
-            out.append(("pre_mlp_layernorm", h, full, "norm"))
+                out += [
+                    ("q_layernorm", d, full, "norm", False),
+                    ("k_layernorm", d, full, "norm", False),
+                ]
+            out.append(("pre_mlp_layernorm", h, full, "norm", False))
+            if moe:
+                return out + _expert_template(cfg)
         o, i = shapes[name]
-        out.append((name, o * i, full, "linear"))
+        out.append((name, o * i, full, "linear", False))
         if name == "linear_qkv" and fam.qkv_bias:  # sharded like the weight's rows
-            out.append(("linear_qkv.bias", o, full, "bias"))
+            out.append(("linear_qkv.bias", o, full, "bias", False))
         for pname, n in lora_params(m, name, plan.get(name, {}), cfg.peft.r, tp):
-            out.append((f"{name}.{pname}", n, True, "lora"))
+            out.append((f"{name}.{pname}", n, True, "lora", False))
     return out
 
 
 def _renamed(template, layer: int) -> list[Param]:
     pre = f"layers.{layer}."
-    return [Param(pre + n, k, t, kind, layer) for n, k, t, kind in template]
+    return [Param(pre + n, k, t, kind, layer, ex) for n, k, t, kind, ex in template]
 
 
 def chunk_params(cfg: DictConfig, pp_rank: int, vp_stage: int) -> list[Param]:
@@ -156,9 +208,9 @@ def chunk_params(cfg: DictConfig, pp_rank: int, vp_stage: int) -> list[Param]:
     if first:
         out.append(Param("embedding", v, full, "embedding"))
     start = split.offsets[pp_rank][vp_stage]
-    template = _layer_template(cfg, tp)
+    templates = {moe: _layer_template(cfg, tp, moe) for moe in {False, is_moe(m)}}
     for layer in range(start, start + split[pp_rank][vp_stage]):
-        out += _renamed(template, layer)
+        out += _renamed(templates[moe_layer(m, layer)], layer)
     if last:
         out.append(Param("final_layernorm", m.hidden_size, full, "norm"))
         if not m.tie_embeddings or pp > 1:
@@ -172,20 +224,46 @@ def rank_params(cfg: DictConfig, pp_rank: int) -> list[list[Param]]:
 
 
 def total_params(cfg: DictConfig) -> int:
-    """All parameters of the unsharded model (base + adapters), counted once."""
+    """All parameters of the unsharded model (base + adapters, every expert), counted once."""
+    return _count(cfg, active=False)
+
+
+def active_params(cfg: DictConfig) -> int:
+    """Parameters one token passes through: the router and its top-k experts in each MoE layer
+    (equal to total_params for a dense model)."""
+    return _count(cfg, active=True)
+
+
+def _count(cfg: DictConfig, active: bool) -> int:
     m = cfg.model
+    h = m.hidden_size
     base = linear_shapes(m, 1)
-    per_layer = 2 * m.hidden_size + sum(o * i for o, i in base.values())
     fam = family(m)
-    per_layer += base["linear_qkv"][0] if fam.qkv_bias else 0
-    per_layer += (
-        2 * (m.kv_channels or m.hidden_size // m.num_attention_heads) if fam.qk_layernorm else 0
-    )
-    per_layer += sum(
-        n for t, sl in lora_plan(cfg).items() for _, n in lora_params(m, t, sl, cfg.peft.r, 1)
-    )
-    emb = m.vocab_size * m.hidden_size
-    return m.num_layers * per_layer + emb * (1 if m.tie_embeddings else 2) + m.hidden_size
+    d = m.kv_channels or h // m.num_attention_heads
+    attn = 2 * h + base["linear_qkv"][0] * base["linear_qkv"][1]
+    attn += base["linear_proj"][0] * base["linear_proj"][1]
+    attn += base["linear_qkv"][0] if fam.qkv_bias else 0
+    attn += 2 * d if fam.qk_layernorm else 0
+    plan = lora_plan(cfg)
+    lora = {t: sum(n for _, n in lora_params(m, t, sl, cfg.peft.r, 1)) for t, sl in plan.items()}
+    attn += sum(n for t, n in lora.items() if t in ("linear_qkv", "linear_proj"))
+    dense_mlp = sum(o * i for t, (o, i) in base.items() if t in ("linear_fc1", "linear_fc2"))
+    dense_mlp += sum(n for t, n in lora.items() if t in ("linear_fc1", "linear_fc2"))
+    n_moe = moe_layer_count(m)
+    total = m.num_layers * attn + (m.num_layers - n_moe) * dense_mlp
+    if n_moe:
+        f = m.moe_ffn_hidden_size or m.ffn_hidden_size
+        expert = sum(o * i for o, i in expert_shapes(m, 1).values())
+        expert += sum(
+            n
+            for t, sl in plan.items()
+            if t in ("linear_fc1", "linear_fc2")
+            for _, n in lora_params(m, t, sl, cfg.peft.r, 1, f)
+        )
+        experts = m.moe_router_topk if active else m.num_experts
+        total += n_moe * (m.num_experts * h + experts * expert)
+    emb = m.vocab_size * h
+    return total + emb * (1 if m.tie_embeddings else 2) + h
 
 
 # model.init_method=auto draws each rank's shard on its GPU from this model size on (base + adapters,

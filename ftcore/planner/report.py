@@ -5,12 +5,28 @@ from __future__ import annotations
 TERMS = ("weights", "grads", "optimizer", "activations", "reserve", "load_peak", "total")
 
 
+def _params_line(p: dict) -> str:
+    par = p["params"]
+    line = f"params: {par['total'] / 1e9:.2f} B total, {par['active'] / 1e9:.2f} B active per token"
+    if "moe" in par:
+        e = par["moe"]
+        line += (
+            f"; {e['moe_layers']} MoE layers of {e['experts']} experts, top-{e['topk']}: "
+            f"{e['experts_per_ep_rank']} experts per EP rank (ep={p['layout']['ep']}, "
+            f"etp={p['layout']['etp']}), expert state sharded over an expert data-parallel "
+            f"group of {e['expert_dp']}; routed activations and time at {e['routed_factor']:g} x "
+            "the mean on the busiest rank (plan.moe_imbalance, or moe.capacity_factor)"
+        )
+    return line
+
+
 def table(p: dict, ranked: list[dict] | None = None) -> str:
     lay = p["layout"]
     lines = [
         f"plan: {p['model']} {'full' if p['peft'] == 'none' else p['peft']} {p['precision']} on {p['num_gpus']} x {p['cluster']} "
         f"({p['gpu_mem_gib']:.1f} GiB each)",
         "layout: " + " ".join(f"{k}={v}" for k, v in lay.items()),
+        _params_line(p),
         "",
         "memory per GPU (GiB)  " + "".join(f"{t:>12}" for t in TERMS) + "   layers",
     ]
@@ -60,16 +76,20 @@ def table(p: dict, ranked: list[dict] | None = None) -> str:
                 f"{e['planned_params']:,d} planned; {where}{' ...' if len(off) > 3 else ''}"
             )
     if ranked is not None:
+        moe = "moe" in p["params"]
         lines += ["", f"search: the layouts on {p['num_gpus']} GPUs that fit (the headroom kept), "
                   "fastest first, each with the overrides that select it (variants: settings of "
                   "the same tp/pp/cp within 2% of its speed, shown once):"]  # fmt: skip
         lines.append(
-            "    tp  pp  vp  cp  dp  sp mbs recompute    GiB  spare  tokens/s/GPU   MFU variants"
+            "    tp  pp  vp  cp  dp"
+            + ("  ep etp" if moe else "")
+            + "  sp mbs recompute    GiB  spare  tokens/s/GPU   MFU variants"
         )
         for r in ranked:
             lines.append(
                 f"  {r['tp']:>4}{r['pp']:>4}{r['vp']:>4}{r['cp']:>4}{r['dp']:>4}"
-                f"{'yes' if r['sp'] else 'no':>4}{r['micro_batch_size']:>4} "
+                + (f"{r['ep']:>4}{r['etp']:>4}" if moe else "")
+                + f"{'yes' if r['sp'] else 'no':>4}{r['micro_batch_size']:>4} "
                 f"{r['recompute']:<10}{r['memory_gib']:>6.1f}{r['spare_gib']:>7.1f}"
                 f"{r['tokens_per_s_per_gpu']:>14.0f}"
                 f"{100 * r['mfu']:>6.1f}{r['variants']:>9}"

@@ -10,13 +10,17 @@ schedule gets a multiple of pp micro-batches.
 
 from __future__ import annotations
 
+from itertools import product
+
 from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
 from ftcore.planner import cp as cp_rules
+from ftcore.planner import ep as ep_rules
 from ftcore.planner import memory
 from ftcore.planner.layers import split_layers
 from ftcore.planner.memory import GiB, all_stages
+from ftcore.planner.params import is_moe
 from ftcore.planner.throughput import throughput
 from ftcore.planner.view import PlanView, replace, view
 
@@ -69,10 +73,12 @@ def _splits(num_layers: int, pp: int, vp: int) -> bool:
 
 
 def layouts(cfg: DictConfig, world: int, *, vary_recompute: bool = True):
-    """Every accepted (tp, pp, vp, cp, micro batch, recompute) for `world` GPUs."""
+    """Every accepted (tp, pp, vp, cp, micro batch, recompute; ep and etp for a MoE model) for
+    `world` GPUs."""
     m, t = cfg.model, cfg.train
     gpu = cfg.cluster.device != "cpu"
     recomputes = ("none", "selective", "full") if vary_recompute else (cfg.parallel.recompute,)
+    moe = is_moe(m)
     mbss = (1,) if cfg.data.packing and cfg.cluster.device == "cuda" else (1, 2, 4)  # checks.py
     for tp in _tp_options(cfg):
         for cp, comm in _cp_options(cfg, tp) if gpu else [(1, None)]:
@@ -80,7 +86,7 @@ def layouts(cfg: DictConfig, world: int, *, vary_recompute: bool = True):
                 if world % (tp * cp * pp):
                     continue
                 dp = world // (tp * cp * pp)
-                for mbs in mbss:
+                for mbs, (ep, etp) in product(mbss, ep_rules.options(cfg, tp, world // pp)):
                     if t.global_batch_size % (mbs * dp):
                         continue
                     micro = t.global_batch_size // (mbs * dp)
@@ -93,6 +99,8 @@ def layouts(cfg: DictConfig, world: int, *, vary_recompute: bool = True):
                         for rc in recomputes:
                             lay = dict(tp=tp, pp=pp, vp=vp, cp=cp, micro_batch_size=mbs,
                                        recompute=rc)  # fmt: skip
+                            if moe:
+                                lay.update(ep=ep, etp=etp)
                             yield dict(lay, cp_comm_type=comm) if comm else lay
 
 
@@ -105,6 +113,8 @@ def fits(cfg: DictConfig, world: int) -> tuple[bool, float]:
 def overrides(row: dict) -> str:
     """The command-line overrides that select this layout (dp follows from the world size)."""
     comm = f" parallel.cp_comm_type={row['cp_comm_type']}" if "cp_comm_type" in row else ""
+    if "ep" in row:
+        comm += f" parallel.ep={row['ep']} parallel.etp={row['etp']}"
     return (
         f"parallel.tp={row['tp']} parallel.pp={row['pp']} parallel.vp={row['vp']} "
         f"parallel.cp={row['cp']}{comm} parallel.sp={str(row['sp']).lower()} "
@@ -141,14 +151,18 @@ def search(cfg: DictConfig, world: int, top: int = 10) -> list[dict]:
     rows.sort(key=lambda r: -r["tokens_per_s_per_gpu"])
     kept: list[dict] = []
     for r in rows:
-        same = ("tp", "pp", "cp")
-        twin = next((k for k in kept if all(k[f] == r[f] for f in same)
+        same = ("tp", "pp", "cp", "ep", "etp")
+        twin = next((k for k in kept if all(k.get(f) == r.get(f) for f in same)
                      and r["tokens_per_s_per_gpu"] >= (1 - NEAR) * k["tokens_per_s_per_gpu"]), None)  # fmt: skip
         if twin is not None:
             twin["variants"] += 1
         else:
             kept.append(dict(r, variants=1, overrides=overrides(r)))
     return kept[:top]
+
+
+def _widest_ep(cfg, lay: dict, world: int) -> int:
+    return max(e * t for e, t in ep_rules.options(cfg, lay["tp"], world // lay["pp"]))
 
 
 def smallest_fit(cfg: DictConfig, max_gpus: int = 4096) -> int | None:
@@ -163,6 +177,8 @@ def smallest_fit(cfg: DictConfig, max_gpus: int = 4096) -> int | None:
         for lay in layouts(cfg, n):
             if lay["recompute"] != "full" or lay["micro_batch_size"] != 1:
                 continue  # the most frugal settings decide whether n GPUs can hold it
+            if "ep" in lay and lay["ep"] * lay["etp"] != _widest_ep(cfg, lay, n):
+                continue  # and the experts spread as wide as the layout allows
             if fits(_with(cfg, **lay), n)[0]:
                 return n
     return None

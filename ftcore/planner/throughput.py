@@ -7,6 +7,7 @@ One micro-batch on one pipeline rank costs
 + elementwise bytes / HBM bandwidth                  norms, RoPE, SwiGLU, residuals, FP8 casts, loss
 + exposed tensor-parallel traffic                    over NVLink (or the network beyond the domain)
 + exposed context-parallel KV exchange               per parallel.cp_comm_type (cp.py)
++ the MoE all-to-alls (dispatch, combine)             per link: NVLink inside a node, else the network (ep.py)
 and a step is (micro-batches + (pp - 1) / vp) of the slowest rank's micro-batch (1F1B or
 interleaved pipeline bubble), plus the exposed pipeline sends, the data-parallel gradient
 reduce-scatter / parameter all-gather, the optimizer's pass over its shard, and a fixed overhead.
@@ -24,14 +25,14 @@ from functools import partial
 from omegaconf import DictConfig
 
 from ftcore.planner import activations as act
-from ftcore.planner import calibration, cp, host
+from ftcore.planner import calibration, cp, ep, host
 from ftcore.planner.flops import (
     FLASH_BWD,
     attention_forward_flops,
     micro_batch_work,
     model_flops_per_token,
 )
-from ftcore.planner.memory import grad_bytes, model_state
+from ftcore.planner.memory import expert_dp, grad_bytes, model_state
 from ftcore.planner.view import view
 
 LINK_EFFICIENCY = 0.8  # achievable fraction of a link's bandwidth in NCCL collectives
@@ -78,11 +79,13 @@ class StepTime:
     dp_comm_s: float
     optimizer_s: float
     overhead_s: float
+    ep_comm_s: float = 0.0  # MoE all-to-alls (and expert-TP gathers), exposed
 
     @property
     def total(self) -> float:
         return (
-            self.compute_s
+            self.ep_comm_s
+            + self.compute_s
             + self.bubble_s
             + self.tp_comm_s
             + self.pp_comm_s
@@ -118,9 +121,15 @@ def _link(cfg: DictConfig, group_span: int) -> float:
 
 
 def elementwise_bytes(sh: act.Shape) -> float:
-    """HBM bytes of the memory-bound kernels of one layer, one micro-batch, forward + backward."""
+    """HBM bytes of the memory-bound kernels of one layer, one micro-batch, forward + backward.
+    A MoE layer's SwiGLU runs over the routed copies, which are permuted in and out (4 passes over
+    [copies, hidden])."""
     t, ab, T = sh.tp, sh.ab, sh.tokens
-    fwd = ab * (10 * sh.hs + 2 * (sh.q + sh.kv) / t + 3 * sh.f / t)
+    mlp = 3 * sh.f / t
+    if sh.moe:
+        _, routed = act.moe_tokens(sh)
+        mlp = routed / T * (3 * sh.fe / sh.etp + 4 * sh.h)
+    fwd = ab * (10 * sh.hs + 2 * (sh.q + sh.kv) / t + mlp)
     cast = 0.0
     if sh.fp8:  # quantize the inputs TE cannot fuse into the norm (proj, fc2) and the output
         # gradients of the four linears; read bf16, write FP8 (+ its transpose, fused)
@@ -170,15 +179,29 @@ def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
     return t, comm
 
 
+def ep_time(cfg: DictConfig, pp_rank: int) -> float:
+    """Exposed MoE all-to-all seconds of one micro-batch on one pipeline rank (ep.py)."""
+    w = micro_batch_work(cfg, pp_rank)
+    if not w.moe_layers:
+        return 0.0
+    passes = 2 + (1 if cfg.parallel.recompute == "full" else 0)
+    per_layer = ep.a2a_seconds(
+        cfg, act.shape_of(cfg), lambda inside: _link(cfg, 1 if inside else 1 << 30), passes
+    )
+    return w.moe_layers * per_layer
+
+
 def step_time(cfg: DictConfig, world: int) -> StepTime:
     cfg = host.measured(cfg)  # a CPU host's own matmul rate and bandwidth, where it asks
     c, p, tr = cfg.cluster, cfg.parallel, cfg.train
     dp = max(world // (p.tp * p.pp * p.cp), 1)
     m = max(tr.global_batch_size // (tr.micro_batch_size * dp), 1)
     per_rank = [micro_batch_time(cfg, r) for r in range(p.pp)]
-    slowest = max(a + b for a, b in per_rank)
+    a2a = [ep_time(cfg, r) for r in range(p.pp)]
+    slowest = max(a + b + e for (a, b), e in zip(per_rank, a2a))
     compute = m * max(a for a, _ in per_rank)
     tp_comm = m * max(b for _, b in per_rank)  # exposed TP/CP traffic
+    ep_comm = m * max(a2a)
     bubble = (p.pp - 1) / p.vp * slowest if p.pp > 1 else 0.0
     sh = act.shape_of(cfg)
     pp_comm = 0.0
@@ -188,20 +211,32 @@ def step_time(cfg: DictConfig, world: int) -> StepTime:
     dp_comm = opt = 0.0
     dpc = dp * p.cp
     worst = max((model_state(cfg, r, dpc) for r in range(p.pp)), key=lambda s: s["grads"])
-    if dpc > 1 and worst["grads"]:
-        grads, params = worst["grads"], worst["trainable"]
-        share = (dpc - 1) / dpc / _link(cfg, p.tp * p.cp * dp)
+    edp = expert_dp(cfg, dpc)
+    ep_size, etp = ep.sizes(cfg)
+    buffers = (  # (grads, params, group size, ranks the group spans): dense, then experts
+        (worst["grads"] - worst["expert_grads"], worst["trainable"] - worst["expert_trainable"],
+         dpc, p.tp * p.cp * dp),
+        (worst["expert_grads"], worst["expert_trainable"], edp, p.tp * p.cp * dp),
+    )  # fmt: skip
+    for grads, params, size, span in buffers:
+        if size <= 1 or not grads:
+            continue
+        share = (size - 1) / size / _link(cfg, span)
         if p.distributed_optimizer:  # reduce-scatter of the grads, all-gather of the params
-            dp_comm = share * (
+            dp_comm += share * (
                 exposed(cfg, "dp_grads") * grads + exposed(cfg, "dp_params") * params
             )
         else:  # all-reduce of the grads
-            dp_comm = share * exposed(cfg, "dp_grads") * 2 * grads
-    elems = worst["grads"] // grad_bytes(cfg)
-    elems //= dpc if p.distributed_optimizer else 1
+            dp_comm += share * exposed(cfg, "dp_grads") * 2 * grads
+    gbytes = grad_bytes(cfg)
+    dense_elems = (worst["grads"] - worst["expert_grads"]) // gbytes
+    expert_elems = worst["expert_grads"] // gbytes
+    if p.distributed_optimizer:
+        dense_elems, expert_elems = dense_elems // dpc, expert_elems // edp
+    elems = dense_elems + expert_elems
     opt = elems * OPTIM_BYTES / (max(c.hbm_gbps, 1e-3) * 1e9 * HBM_EFFICIENCY)
     overhead = calibration.of(c).step_overhead_s
-    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, opt, overhead)
+    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, opt, overhead, ep_comm)
 
 
 def throughput(cfg: DictConfig, world: int) -> dict:

@@ -11,6 +11,9 @@ from tests.support.tiny import TINY
 
 ODD = ["model.hidden_size=72", "model.ffn_hidden_size=136", "model.num_attention_heads=4"]
 ALL = "linear_qkv,linear_proj,linear_fc1,linear_fc2"
+# a mixture of experts (layer 1 dense): expert weights in buffers of their own over the expert DP
+MOE = ["model.family=qwen3_moe", "model.num_experts=4", "model.moe_ffn_hidden_size=40",
+       "model.moe_dense_layers=[1]", "parallel.ep=2"]  # fmt: skip
 CASES = {
     1: [[], ["precision=bf16"], ["parallel.recompute=full"]],
     2: [
@@ -36,8 +39,10 @@ CASES = {
         ["model.family=qwen2", "parallel.tp=2", "parallel.distributed_optimizer=true", *ODD],
         ["model.family=qwen3", "model.kv_channels=24", "parallel.distributed_optimizer=true"],
         ["model.family=qwen2", "peft=lora", "parallel.tp=2", f"peft.target_modules=[{ALL}]"],
+        [*MOE, "parallel.tp=2", "parallel.sp=true", "parallel.distributed_optimizer=true"],
     ],
     4: [
+        [*MOE, "parallel.distributed_optimizer=true", "precision=bf16"],
         ["parallel.tp=2", "parallel.distributed_optimizer=true", "precision=bf16"],
         ["parallel.pp=2", "parallel.distributed_optimizer=true", *ODD],
         ["parallel.pp=2", "parallel.vp=2", "parallel.tp=2", "parallel.distributed_optimizer=true"],
