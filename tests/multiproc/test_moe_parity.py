@@ -51,8 +51,8 @@ def run_case(overrides: list[str], run_dir: str, steps: int, save_at: int = 0):
         assert not step.get("skipped"), step
         state.step += 1
         out["loss"].append(step["loss"])
-        out["aux_loss"].append(step["aux_loss"])
-        out["load"].append(step["expert_load_max_over_mean"])
+        out["aux_loss"].append(step["metrics"]["aux_loss"])
+        out["load"].append(step["metrics"]["expert_load_max_over_mean"])
         out["grad_norm"].append(step["grad_norm"])
         if state.step == save_at:
             store.save(state)
@@ -162,7 +162,13 @@ def padding_case(overrides: list[str], run_dir: str) -> list[tuple[float, float,
             p.data.copy_(w)
         state.loader = type("Fixed", (), {"next_microbatches": lambda self, mbs=mbs: mbs})()
         step = trainer.train_step(state)
-        out.append((step["loss"], step["aux_loss"], step["expert_load_max_over_mean"]))
+        out.append(
+            (
+                step["loss"],
+                step["metrics"]["aux_loss"],
+                step["metrics"]["expert_load_max_over_mean"],
+            )
+        )
     return out
 
 
