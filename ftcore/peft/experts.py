@@ -21,14 +21,10 @@ import types
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.transformer.utils import (
-    make_sharded_tensors_for_checkpoint,
-    sharded_state_dict_default,
-)
 from torch import nn
 
 from ftcore.peft.config import Geometry
-from ftcore.peft.layers import LoraParallelLinear, add_column, device_of
+from ftcore.peft.layers import LoraParallelLinear, adapter_sharded_state_dict, add_column, device_of
 
 
 def is_moe_layer(mlp: nn.Module) -> bool:
@@ -92,19 +88,9 @@ class ExpertLoraLinear(LoraParallelLinear):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """As the dense layer's, over the expert TP group (SequentialMLP sets the expert axis and
         the replica over the expert data-parallel group)."""
-        sd = sharded_state_dict_default(
-            self.base_layer, f"{prefix}base_layer.", sharded_offsets, metadata
-        )
-        tensors, axes = {}, {}
-        for kind, params in (("lora_A", self.lora_A), ("lora_B", self.lora_B)):
-            for k, p in params.items():
-                tensors[f"{kind}.{k}"] = p
-                if getattr(p, "tensor_model_parallel", False):
-                    axes[f"{kind}.{k}"] = p.partition_dim
-        sd.update(make_sharded_tensors_for_checkpoint(
-            tensors, prefix, axes, sharded_offsets, tp_group=self.etp_group,
-            dp_cp_group=parallel_state.get_expert_data_parallel_group()))  # fmt: skip
-        return sd
+        return adapter_sharded_state_dict(
+            self, prefix, sharded_offsets, metadata, tp_group=self.etp_group,
+            dp_cp_group=parallel_state.get_expert_data_parallel_group())  # fmt: skip
 
 
 def wrap_experts(mlp, plan: dict, *, geo: Geometry, r: int, scale: float, dropout: float, dtype):

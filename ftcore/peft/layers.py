@@ -293,14 +293,20 @@ class LoraParallelLinear(nn.Module):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """Base under `base_layer.`; each sharded adapter tensor with its TP axis, so every TP
         rank's shard is saved (and replicated ones once)."""
-        sd = sharded_state_dict_default(
-            self.base_layer, f"{prefix}base_layer.", sharded_offsets, metadata
-        )
-        tensors, axes = {}, {}
-        for kind, params in (("lora_A", self.lora_A), ("lora_B", self.lora_B)):
-            for k, p in params.items():
-                tensors[f"{kind}.{k}"] = p
-                if getattr(p, "tensor_model_parallel", False):
-                    axes[f"{kind}.{k}"] = p.partition_dim
-        sd.update(make_sharded_tensors_for_checkpoint(tensors, prefix, axes, sharded_offsets))
-        return sd
+        return adapter_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
+
+def adapter_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, metadata, **groups):
+    """A LoRA layer's checkpoint entries: its base under `base_layer.`, each adapter tensor with
+    its TP axis; `groups` (tp_group, dp_cp_group) where they are not the dense layer's."""
+    sd = sharded_state_dict_default(
+        layer.base_layer, f"{prefix}base_layer.", sharded_offsets, metadata
+    )
+    tensors, axes = {}, {}
+    for kind, params in (("lora_A", layer.lora_A), ("lora_B", layer.lora_B)):
+        for k, p in params.items():
+            tensors[f"{kind}.{k}"] = p
+            if getattr(p, "tensor_model_parallel", False):
+                axes[f"{kind}.{k}"] = p.partition_dim
+    sd.update(make_sharded_tensors_for_checkpoint(tensors, prefix, axes, sharded_offsets, **groups))
+    return sd

@@ -22,12 +22,12 @@ import torch
 
 from tests.support.hf_helpers import (
     SEQ,
+    assert_exported,
     check_against_hf,
     hf_model,
     hf_text_loss,
     load_case,
     make_tiny_hf,
-    read_hf_dir,
     rel_error,
     tokens,
     write_text_data,
@@ -65,14 +65,7 @@ def _bit_identical(out: Path, ref: dict, what: str) -> None:
     want = hf_model(ref["path"]).state_dict()
     if TIED.get(what.split()[0]):
         want.pop("lm_head.weight", None)
-    got = read_hf_dir(out)
-    assert set(got) == set(want), set(got) ^ set(want)
-    for k, t in want.items():
-        assert got[k].dtype == t.dtype and torch.equal(got[k], t), f"{what}: {k} differs"
-    back = hf_model(out)
-    assert type(back) is type(hf_model(ref["path"]))
-    with torch.no_grad():
-        assert torch.equal(back(input_ids=ref["x"]).logits.float(), ref["logits"])
+    assert_exported(out, want, ref, what)
 
 
 @pytest.mark.dist

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.support.hf_helpers import (
+    assert_exported,
     check_against_hf,
     hf_model,
     hf_text_loss,
@@ -52,15 +53,7 @@ def built(tmp_path_factory):
 def _bit_identical(out: Path, ref: dict, what: str) -> None:
     """Every tensor as transformers saved it (the published per-expert names), same dtype and
     bytes; transformers loads the directory as the same model."""
-    want = read_hf_dir(ref["path"])
-    got = read_hf_dir(out)
-    assert set(got) == set(want), f"{what}: {sorted(set(got) ^ set(want))[:6]}"
-    for k, t in want.items():
-        assert got[k].dtype == t.dtype and torch.equal(got[k], t), f"{what}: {k} differs"
-    back = hf_model(out)
-    assert type(back) is type(hf_model(ref["path"]))
-    with torch.no_grad():
-        assert torch.equal(back(input_ids=ref["x"]).logits.float(), ref["logits"])
+    assert_exported(out, read_hf_dir(ref["path"]), ref, what)
 
 
 @pytest.mark.dist

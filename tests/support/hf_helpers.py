@@ -258,6 +258,19 @@ def read_hf_dir(path) -> dict[str, torch.Tensor]:
     return out
 
 
+def assert_exported(out, want: dict, ref: dict, what: str) -> None:
+    """`out` holds exactly `want`'s tensors, same dtype and bytes, and transformers loads it as the
+    model of `ref["path"]` (the same logits on `ref["x"]`)."""
+    got = read_hf_dir(out)
+    assert set(got) == set(want), f"{what}: {sorted(set(got) ^ set(want))[:6]}"
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), f"{what}: {k} differs"
+    back = hf_model(out)
+    assert type(back) is type(hf_model(ref["path"]))
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ref["x"]).logits.float(), ref["logits"])
+
+
 def eval_case(hf_dir: str, run_dir: str, overrides: list[str]) -> dict:
     """Worker: ftcore.eval's evaluate() on a run built from the HF directory."""
     from ftcore.eval import evaluate
