@@ -46,6 +46,8 @@ class Calibration:
     step_overhead_s: float = 0.0  # fixed cost per step (launch, Python)
     layer_overhead_s: float = 0.0  # host cost per layer and micro-batch (Python, autograd)
     sp_layer_overhead_s: float = 0.0  # what sequence parallelism adds to it
+    expert_gemm_half_elems: float = 0.0  # expert GEMMs: size (hidden x width) at half efficiency
+    ep_a2a_hidden: float = 0.0  # share of the MoE all-to-all hidden where plan.moe_a2a_overlap
     reserve_gib: float = 0.0  # per GPU: CUDA context, NCCL/cuBLAS workspaces, fragmentation
     nvlink_gbps: float = 0.0  # a fitted link rate where the link is no hardware (gloo)
 
