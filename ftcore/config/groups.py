@@ -307,6 +307,8 @@ class ClusterConfig:
     step_overhead_s: Optional[float] = None  # fixed per-step cost (launch, Python)
     layer_overhead_s: Optional[float] = None  # fixed cost per layer and micro-batch (host)
     sp_layer_overhead_s: Optional[float] = None  # what sequence parallelism adds to it (host)
+    expert_gemm_half_elems: Optional[float] = None  # expert weight size at half GEMM efficiency
+    ep_a2a_hidden: Optional[float] = None  # share of the MoE all-to-all plan.moe_a2a_overlap hides
     reserve_gib: Optional[float] = None  # framework / allocator reserve per GPU
 
 
@@ -337,6 +339,9 @@ class PlanConfig:
     # MoE, dropless: the busiest expert's routed tokens over the mean, applied to an EP rank's
     # routed activations and expert time (docs/planner.md); a capacity factor bounds it instead
     moe_imbalance: float = 1.5
+    # price the MoE all-to-all as megatron's overlap_moe_expert_parallel_comm hides it (the
+    # published MoE rows ran with it); ftcore's own runs do not overlap it: false for them
+    moe_a2a_overlap: bool = False
 
 
 @dataclass

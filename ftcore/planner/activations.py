@@ -86,6 +86,11 @@ class Shape:
         return self.sl * self.b
 
     @property
+    def expert_elems(self) -> int:
+        """One expert weight's elements on a rank (hidden x width / etp): its GEMMs' size."""
+        return self.h * self.fe // self.etp
+
+    @property
     def hs(self) -> int:
         """Hidden width of tensors outside the TP region on one rank (split by SP)."""
         return self.h // self.tp if self.sp else self.h

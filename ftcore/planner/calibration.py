@@ -12,6 +12,11 @@ and two allowances set with that fit:
   at 0.6 of the bf16 peak is set, not fitted: the rows do not separate it from the GEMMs. Each row
   is within 5.5% in sample, within 7.1% when left out of the fit (docs/planner.md). H200 has no
   published row: it is the same Hopper GPU with more and faster HBM (its yaml), so H100's constants.
+- h100, h200, MoE only (moe_fit.py): an expert's GEMMs at matmul_efficiency x W / (W + 2.3e7),
+  W its weight's elements (hidden x width / etp), and 0.77 of the all-to-all hidden where
+  plan.moe_a2a_overlap (megatron's overlap_moe_expert_parallel_comm) is on: solved on one
+  Megatron-Bridge 25.11 H100 row of Qwen3-30B-A3B and one of Qwen3-235B-A22B, the 26.02 rows held
+  out (docs/planner.md). Other GPUs: 0 and 0 (no MoE row), so their MoE plans are optimistic.
 - b200, gb200, gb300: 0.52 and 0.55 (set), from the one Blackwell row, llama3_70b LoRA on 8 GB200
   (6206 tokens/s/GPU, Megatron-Bridge 26.06; predicted 4.5% high: fit.py gives 0.49 for an exact
   fit, the shipped value is kept for now). Held out, that row is 19% high on H100's constants.
@@ -46,12 +51,15 @@ class Calibration:
     step_overhead_s: float = 0.0  # fixed cost per step (launch, Python)
     layer_overhead_s: float = 0.0  # host cost per layer and micro-batch (Python, autograd)
     sp_layer_overhead_s: float = 0.0  # what sequence parallelism adds to it
+    expert_gemm_half_elems: float = 0.0  # expert GEMMs: size (hidden x width) at half efficiency
+    ep_a2a_hidden: float = 0.0  # share of the MoE all-to-all hidden where plan.moe_a2a_overlap
     reserve_gib: float = 0.0  # per GPU: CUDA context, NCCL/cuBLAS workspaces, fragmentation
     nvlink_gbps: float = 0.0  # a fitted link rate where the link is no hardware (gloo)
 
 
 DEFAULT = Calibration()
-HOPPER = Calibration(0.62, 0.6, step_overhead_s=0.05, reserve_gib=5.0)
+HOPPER = Calibration(0.62, 0.6, step_overhead_s=0.05, reserve_gib=5.0,
+                     expert_gemm_half_elems=2.3e7, ep_a2a_hidden=0.77)  # fmt: skip
 BLACKWELL = Calibration(0.52, 0.55, step_overhead_s=0.05, reserve_gib=6.0)
 LOCAL_CPU = Calibration(0.95, 0.6, layer_overhead_s=0.01, sp_layer_overhead_s=0.007,
                         reserve_gib=0.5, nvlink_gbps=0.3)  # fmt: skip

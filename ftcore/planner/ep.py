@@ -9,7 +9,9 @@ again). Each moves the busiest rank's routed copies (activations.moe_tokens: top
 imbalance) of which (ep - 1)/ep leave the rank; the NVLink and network parts run at once, so an
 all-to-all takes the longer of the two. With etp > 1 the routed copies are also gathered over the
 expert-TP group and reduce-scattered back (NVLink inside a node). ftcore does not overlap any of it
-with compute (megatron's overlap_moe_expert_parallel_comm is not used): all of it is exposed.
+with compute (megatron's overlap_moe_expert_parallel_comm is not used): all of it is exposed. A
+plan of a run that does overlap it (plan.moe_a2a_overlap: the published rows) hides the fitted
+share cluster.ep_a2a_hidden of it, at most the rank's compute (throughput.ep_time).
 """
 
 from __future__ import annotations

@@ -89,15 +89,17 @@ class Work:
     attention: float = 0.0
     layers: int = 0
     moe_layers: int = 0  # of them, layers with routed experts
+    expert_quant: float = 0.0  # of gemm_quant, the routed experts' GEMMs
+    expert_base: float = 0.0  # of gemm_base, the routed experts' GEMMs
 
 
-def _moe_layer_flops(cfg, shapes, adapters_of, passes: int) -> tuple[float, float]:
-    """(GEMM FLOPs, adapter FLOPs) of one MoE layer on the busiest EP rank, one micro-batch:
+def _moe_layer_flops(cfg, shapes, adapters_of, passes: int) -> tuple[float, float, float]:
+    """(GEMM FLOPs, adapter FLOPs, of the GEMM FLOPs the experts') of one MoE layer on the busiest EP rank, one micro-batch:
     attention linears over its tokens, the router over the tokens it routes, its experts over the
     routed copies it receives (activations.moe_tokens: top-k x the imbalance assumed)."""
     m, p = cfg.model, cfg.parallel
     if not moe_layer_count(m):
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     sh = shape_of(cfg)
     tm, routed = moe_tokens(sh)
     etp = getattr(p, "etp", 1) or 1
@@ -112,9 +114,10 @@ def _moe_layer_flops(cfg, shapes, adapters_of, passes: int) -> tuple[float, floa
         for _, n in lora_params(m, t, sl, cfg.peft.r, etp, f)
     )
     attn_ad = sum(n for t, n in adapters_of.items() if t not in MLP_LINEARS)
-    gemm = 2.0 * passes * (sh.tokens * attn + tm * m.num_experts * m.hidden_size + routed * expert)
+    experts = 2.0 * passes * routed * expert
+    gemm = 2.0 * passes * (sh.tokens * attn + tm * m.num_experts * m.hidden_size) + experts
     extra = 3 + (1 if p.recompute == "full" else 0)
-    return gemm, 2.0 * extra * (sh.tokens * attn_ad + routed * expert_ad)
+    return gemm, 2.0 * extra * (sh.tokens * attn_ad + routed * expert_ad), experts
 
 
 def micro_batch_work(cfg: DictConfig, pp_rank: int) -> Work:
@@ -138,7 +141,7 @@ def micro_batch_work(cfg: DictConfig, pp_rank: int) -> Work:
     quant = bool(cfg.precision.fp8_recipe or cfg.precision.fp4_recipe)
     keep = cfg.precision.first_last_bf16_layers
     w = Work(layers=sum(split[pp_rank]))
-    moe_flops, moe_adapter_flops = _moe_layer_flops(cfg, shapes, adapters_of, passes)
+    moe_flops, moe_adapter_flops, expert_flops = _moe_layer_flops(cfg, shapes, adapters_of, passes)
     for v, n in enumerate(split[pp_rank]):
         for layer in range(offsets[v], offsets[v] + n):
             flops = 2.0 * tokens * lin * passes
@@ -146,10 +149,13 @@ def micro_batch_work(cfg: DictConfig, pp_rank: int) -> Work:
             if moe_layer(m, layer):
                 flops, ad = moe_flops, moe_adapter_flops
                 w.moe_layers += 1
+            experts = expert_flops if moe_layer(m, layer) else 0.0
             if quant and keep <= layer < m.num_layers - keep:
                 w.gemm_quant += flops
+                w.expert_quant += experts
             else:
                 w.gemm_base += flops
+                w.expert_base += experts
             w.gemm_base += ad
     fwd = attention_forward_flops(cfg)
     modules = getattr(p, "recompute_modules", ["core_attn"]) if p.recompute == "selective" else []

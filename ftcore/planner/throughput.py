@@ -8,13 +8,16 @@ One micro-batch on one pipeline rank costs
 + exposed tensor-parallel traffic                    over NVLink (or the network beyond the domain)
 + exposed context-parallel KV exchange               per parallel.cp_comm_type (cp.py)
 + the MoE all-to-alls (dispatch, combine)             per link: NVLink inside a node, else the network (ep.py)
+                                                     less the share megatron's overlap hides, where on
 and a step is (micro-batches + (pp - 1) / vp) of the slowest rank's micro-batch (1F1B or
 interleaved pipeline bubble), plus the exposed pipeline sends, the data-parallel gradient
 reduce-scatter / parameter all-gather, the optimizer's pass over its shard, and a fixed overhead.
 The constants are per GPU type; the fractions below are the same for every GPU. Calibrated once
 against tests/data/published_throughput.csv (tests/unit/planner/test_throughput.py). A CPU
 cluster with host_probe measures its peak and bandwidth on the host instead (host.py), and MFU is
-taken against that measured peak.
+taken against that measured peak. A routed expert's GEMMs run below matmul_efficiency by the
+expert's size, and the MoE router, permutation and per-copy FP8 casts are bytes at HBM speed: Hopper's
+two MoE constants are fitted apart (moe_fit.py) and are 0 on a dense model.
 """
 
 from __future__ import annotations
@@ -67,6 +70,10 @@ def exposed(cfg: DictConfig, traffic: str) -> float:
     return NOT_OVERLAPPED
 
 
+# router bytes per token and expert, forward: fp32 logits written, softmax read and written, top-k
+# read (4 x 4 B), the [experts, tokens] routing map and probabilities (1 + 4 B) written, then read
+# by the permutation
+ROUTER_BYTES = 4 * 4 + 2 * 5
 OPTIM_BYTES = 40  # bytes moved per optimizer element: param, grad, main, 2 moments, read + write
 
 
@@ -123,17 +130,25 @@ def _link(cfg: DictConfig, group_span: int) -> float:
 def elementwise_bytes(sh: act.Shape) -> float:
     """HBM bytes of the memory-bound kernels of one layer, one micro-batch, forward + backward.
     A MoE layer's SwiGLU runs over the routed copies, which are permuted in and out (4 passes over
-    [copies, hidden])."""
+    [copies, hidden]), and each copy's expert inputs and output gradients are cast to FP8 apart;
+    its router writes fp32 logits over the experts and the routing map the permutation reads."""
     t, ab, T = sh.tp, sh.ab, sh.tokens
     mlp = 3 * sh.f / t
+    cast_mlp = 3 * sh.f / t + sh.hs  # fc2's input, fc1's and fc2's output gradients
+    router = 0.0
     if sh.moe:
-        _, routed = act.moe_tokens(sh)
-        mlp = routed / T * (3 * sh.fe / sh.etp + 4 * sh.h)
-    fwd = ab * (10 * sh.hs + 2 * (sh.q + sh.kv) / t + mlp)
+        tm, routed = act.moe_tokens(sh)
+        r = routed / T  # routed copies per token of this rank
+        mlp = r * (3 * sh.fe / sh.etp + 4 * sh.h)
+        # per copy also fc1's input (permuted: no norm to fuse its cast into) and fc2's output
+        # gradient, besides fc2's input and fc1's output gradient
+        cast_mlp = r * (2 * sh.h + 3 * sh.fe / sh.etp)
+        router = tm / T * ROUTER_BYTES * sh.experts
+    fwd = ab * (10 * sh.hs + 2 * (sh.q + sh.kv) / t + mlp) + router
     cast = 0.0
     if sh.fp8:  # quantize the inputs TE cannot fuse into the norm (proj, fc2) and the output
         # gradients of the four linears; read bf16, write FP8 (+ its transpose, fused)
-        cast = (ab + 2) * ((sh.q + sh.f) / t + (sh.q + 2 * sh.kv + 2 * sh.f) / t + 2 * sh.hs)
+        cast = (ab + 2) * ((sh.q + sh.q + 2 * sh.kv) / t + sh.hs + cast_mlp)
     return T * (3 * fwd + cast)
 
 
@@ -153,9 +168,13 @@ def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
     w = micro_batch_work(cfg, pp_rank)
     sh = act.shape_of(cfg)
     base = _peak(cfg, _base_precision(cfg))
-    t = w.gemm_base / (base * k.matmul_efficiency)
+    # the routed experts' GEMMs run at matmul_efficiency x W / (W + W_half), W one expert's weight
+    # (hidden x width / etp): small experts' grouped GEMMs run far below the large-GEMM rate
+    slow = k.expert_gemm_half_elems / sh.expert_elems if sh.moe else 0.0
+    t = (w.gemm_base + slow * w.expert_base) / (base * k.matmul_efficiency)
     if w.gemm_quant:
-        t += w.gemm_quant / (_peak(cfg, _quant_precision(cfg)) * k.matmul_efficiency)
+        quant = w.gemm_quant + slow * w.expert_quant
+        t += quant / (_peak(cfg, _quant_precision(cfg)) * k.matmul_efficiency)
     attn_rate = base * (k.attention_efficiency if c.device != "cpu" else k.matmul_efficiency)
     t += w.attention / attn_rate
     hbm = max(c.hbm_gbps, 1e-3) * 1e9 * HBM_EFFICIENCY
@@ -179,8 +198,9 @@ def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
     return t, comm
 
 
-def ep_time(cfg: DictConfig, pp_rank: int) -> float:
-    """Exposed MoE all-to-all seconds of one micro-batch on one pipeline rank (ep.py)."""
+def ep_time(cfg: DictConfig, pp_rank: int, compute_s: float) -> float:
+    """Exposed MoE all-to-all seconds of one micro-batch on one pipeline rank (ep.py), less what
+    megatron's overlap hides behind the rank's `compute_s` where plan.moe_a2a_overlap says so."""
     w = micro_batch_work(cfg, pp_rank)
     if not w.moe_layers:
         return 0.0
@@ -188,7 +208,10 @@ def ep_time(cfg: DictConfig, pp_rank: int) -> float:
     per_layer = ep.a2a_seconds(
         cfg, act.shape_of(cfg), lambda inside: _link(cfg, 1 if inside else 1 << 30), passes
     )
-    return w.moe_layers * per_layer
+    a2a = w.moe_layers * per_layer
+    if cfg.cluster.device != "cpu" and getattr(cfg.plan, "moe_a2a_overlap", False):
+        a2a -= min(calibration.of(cfg.cluster).ep_a2a_hidden * a2a, compute_s)
+    return a2a
 
 
 def step_time(cfg: DictConfig, world: int) -> StepTime:
@@ -197,7 +220,7 @@ def step_time(cfg: DictConfig, world: int) -> StepTime:
     dp = max(world // (p.tp * p.pp * p.cp), 1)
     m = max(tr.global_batch_size // (tr.micro_batch_size * dp), 1)
     per_rank = [micro_batch_time(cfg, r) for r in range(p.pp)]
-    a2a = [ep_time(cfg, r) for r in range(p.pp)]
+    a2a = [ep_time(cfg, r, a) for r, (a, _) in enumerate(per_rank)]
     slowest = max(a + b + e for (a, b), e in zip(per_rank, a2a))
     compute = m * max(a for a, _ in per_rank)
     tp_comm = m * max(b for _, b in per_rank)  # exposed TP/CP traffic

@@ -96,11 +96,11 @@ def test_held_out_rows_are_never_fitted_and_the_docs_show_them(pred, rows):
 
 
 def test_moe_rows_are_held_out_transcribed_and_shown(pred, rows):
-    """published_moe.csv: Megatron-Bridge's H100 MoE rows, never fitted to; each transcribed as
-    published (its TFLOP/s over tokens/s is the planner's model FLOPs per token from active
-    parameters) and docs/planner.md shows today's table with each row's error (not bounded: the
-    docs say why the model misses them)."""
-    from ftcore.planner import flops
+    """published_moe.csv: Megatron-Bridge's H100 MoE rows, none a dense fitted row; each
+    transcribed as published (its TFLOP/s over tokens/s is the planner's model FLOPs per token from
+    active parameters) and docs/planner.md shows today's table with each row's error (bounded in
+    test_moe_fit.py, where the MoE constants are checked against them)."""
+    from ftcore.planner import flops, moe_fit
 
     moe = fit.load_rows(fit.MOE_CSV)
     assert {r["model"] for r in moe} == {"qwen3_30b_a3b", "qwen3_235b_a22b"}
@@ -108,5 +108,5 @@ def test_moe_rows_are_held_out_transcribed_and_shown(pred, rows):
     for r in moe:
         per_token = float(r["model_tflops_per_gpu"]) * 1e12 / float(r["tokens_per_s_per_gpu"])
         assert flops.model_flops_per_token(pred.cfg(r)) == pytest.approx(per_token, rel=0.01), r
-    missing = [line for line in fit.moe_table(pred, moe) if line not in DOCS.read_text()]
-    assert not missing, "docs/planner.md is stale; paste `python -m ftcore.planner.fit`"
+    missing = [line for line in moe_fit.table(pred, moe) if line not in DOCS.read_text()]
+    assert not missing, "docs/planner.md is stale; paste `python -m ftcore.planner.moe_fit`"
