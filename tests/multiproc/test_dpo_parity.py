@@ -1,5 +1,6 @@
 """DPO on every layout (issue 44): five LoRA DPO steps at TP=2 (+SP), PP=2, DP=2 (distributed
-optimizer) and CP=2 give the one-process losses and rewards/margins to 1e-5; full fine-tuning DPO
+optimizer) and CP=2 give the one-process losses and rewards/margins to 1e-5, and QLoRA DPO (the
+NF4 base as reference) does at DP=2, from exactly log 2 at step 0; full fine-tuning DPO
 (the frozen reference copy) does too at TP=2; a full fine-tuning DPO run stopped after 3 steps and
 resumed gives the uninterrupted run's last two losses. The one-process references are shared; each run is the same
 config with only the layout changed."""
@@ -22,6 +23,9 @@ BASE = [*TINY, "objective=dpo", "data.format=preference", f"data.path={DATA}", "
 LORA = ["peft=lora", "peft.r=4", "peft.lora_alpha=8", "optim.lr=5e-3",
         "peft.target_modules=[q_proj,v_proj,o_proj,down_proj]"]  # fmt: skip
 FULL = ["optim.lr=1e-4", "sched.min_lr=0"]
+# NF4 base (hidden 64, ffn 128: whole 64-value blocks), its reference the same base, adapters off
+QLORA = ["peft=qlora", *LORA[1:]]
+METHODS = {"lora": LORA, "full": FULL, "qlora": QLORA}
 LAYOUTS = {
     "tp2": ["parallel.tp=2", "parallel.sp=true"],
     "pp2": ["parallel.pp=2"],
@@ -44,9 +48,10 @@ def steps_case(overrides: list[str], run_dir: str, resume_at: int = 0) -> list[d
             r = trainer.train_step(state)
             state.step += 1
             m = r["metrics"]
-            out.append(
-                {"loss": r["loss"], "margin": m["rewards/margins"], "logps": m["logps/chosen"]}
-            )
+            out.append({
+                "loss": r["loss"], "margin": m["rewards/margins"], "logps": m["logps/chosen"],
+                "rewards": (m["rewards/chosen"], m["rewards/rejected"]),
+            })  # fmt: skip
         if resume_at:
             store.save(state, blocking=True)
             store.wait(state)
@@ -68,8 +73,7 @@ def reference(pool1, tmp_path_factory):
     def get(method: str) -> list[dict]:
         if method not in cache:
             d = tmp_path_factory.mktemp(f"ref-{method}")
-            over = LORA if method == "lora" else FULL
-            cache[method] = pool1.run(steps_case, over, str(d))[0]
+            cache[method] = pool1.run(steps_case, METHODS[method], str(d))[0]
         return cache[method]
 
     return get
@@ -96,6 +100,19 @@ def test_lora_dpo_layout_matches_one_process(layout, pool2, reference, tmp_path)
 def test_full_dpo_at_tp2_matches_one_process(pool2, reference, tmp_path):
     got = pool2.run(steps_case, [*FULL, *LAYOUTS["tp2"]], str(tmp_path))[0]
     _agree(got, reference("full"))
+
+
+@pytest.mark.dist
+def test_qlora_dpo_starts_at_log2_and_matches_one_process_at_dp2(pool2, reference, tmp_path):
+    """Step 0 (B = 0): policy and reference are the same NF4 base, so both rewards are exactly 0
+    and the sigmoid loss is log 2; then it trains, and DP=2 gives the one-process losses."""
+    ref = reference("qlora")
+    assert ref[0]["rewards"] == (0.0, 0.0), ref[0]
+    assert math.isclose(ref[0]["loss"], math.log(2), rel_tol=1e-7), ref[0]
+    assert all(math.isfinite(s["loss"]) for s in ref), ref
+    assert all(0.0 not in s["rewards"] for s in ref[1:]), ref  # the adapters moved the policy
+    got = pool2.run(steps_case, [*QLORA, *LAYOUTS["dp2"]], str(tmp_path))[0]
+    _agree(got, ref)
 
 
 def test_resumed_dpo_run_gives_the_uninterrupted_losses(pool1, reference, tmp_path):
