@@ -18,6 +18,7 @@ from tests.support.tiny import TINY
 STEPS = 5
 DATA = str(Path(assets_dir(), "data", "preference_train.jsonl"))
 BASE = [*TINY, "objective=dpo", "data.format=preference", f"data.path={DATA}", "data.seq_len=64",
+        "data.max_samples=24",  # the 5 steps' 20 pairs and a few: precompute_ref's pass reads all
         "train.global_batch_size=4", "train.micro_batch_size=1",
         "sched.warmup_steps=0", f"train.max_steps={STEPS}"]  # fmt: skip
 LORA = ["peft=lora", "peft.r=4", "peft.lora_alpha=8", "optim.lr=5e-3",
@@ -25,6 +26,7 @@ LORA = ["peft=lora", "peft.r=4", "peft.lora_alpha=8", "optim.lr=5e-3",
 FULL = ["optim.lr=1e-4", "sched.min_lr=0"]
 # NF4 base (hidden 64, ffn 128: whole 64-value blocks), its reference the same base, adapters off
 QLORA = ["peft=qlora", *LORA[1:]]
+PRE = ["objective.precompute_ref=true"]  # the reference's log-probs from a stored first pass
 METHODS = {"lora": LORA, "full": FULL, "qlora": QLORA}
 LAYOUTS = {
     "tp2": ["parallel.tp=2", "parallel.sp=true"],
@@ -79,13 +81,30 @@ def reference(pool1, tmp_path_factory):
     return get
 
 
-def _agree(got: list[dict], ref: list[dict]) -> None:
+def counted_case(overrides: list[str], run_dir: str, resume_at: int = 0) -> dict:
+    """Worker: steps_case, and how many reference passes (precompute_ref) the run computed."""
+    from ftcore.training import ref_store
+
+    real, calls = ref_store._compute, []
+
+    def compute(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    ref_store._compute = compute
+    try:
+        return {"steps": steps_case(overrides, run_dir, resume_at), "passes": len(calls)}
+    finally:
+        ref_store._compute = real
+
+
+def _agree(got: list[dict], ref: list[dict], rel: float = 1e-5) -> None:
     assert len(got) == len(ref) == STEPS
     for g, r in zip(got, ref):
-        assert math.isclose(g["loss"], r["loss"], rel_tol=1e-5), (got, ref)
-        assert math.isclose(g["logps"], r["logps"], rel_tol=1e-5), (got, ref)
+        assert math.isclose(g["loss"], r["loss"], rel_tol=rel), (got, ref)
+        assert math.isclose(g["logps"], r["logps"], rel_tol=rel), (got, ref)
         # a margin is a difference of log-prob sums (~ -40): their rounding, times beta
-        assert math.isclose(g["margin"], r["margin"], rel_tol=1e-5, abs_tol=1e-6), (got, ref)
+        assert math.isclose(g["margin"], r["margin"], rel_tol=rel, abs_tol=1e-6), (got, ref)
     assert max(abs(r["margin"]) for r in ref) > 1e-3, "the steps trained nothing"
 
 
@@ -119,3 +138,20 @@ def test_resumed_dpo_run_gives_the_uninterrupted_losses(pool1, reference, tmp_pa
     """Full fine-tuning: the resumed run's reference is the starting weights, not the restored."""
     got = pool1.run(steps_case, FULL, str(tmp_path), resume_at=3)[0]
     _agree(got, reference("full"))
+
+
+def test_precomputed_reference_gives_the_frozen_copy_losses_and_resumes(pool1, reference, tmp_path):
+    """Full fine-tuning, one process, only objective.precompute_ref changed: the frozen copy's
+    losses to 1e-6; stopped after 3 steps and resumed, the run reads the stored pass back."""
+    got = pool1.run(counted_case, [*FULL, *PRE], str(tmp_path), resume_at=3)[0]
+    _agree(got["steps"], reference("full"), rel=1e-6)
+    assert got["passes"] == 1 and (tmp_path / "reference_logps.pt").is_file()
+
+
+@pytest.mark.dist
+def test_precomputed_reference_at_dp2_gives_the_frozen_copy_losses(pool2, tmp_path):
+    """DP=2 (distributed optimizer): each rank computes its share of the pass."""
+    over = [*FULL, *LAYOUTS["dp2"]]
+    frozen = pool2.run(steps_case, over, str(tmp_path / "frozen"))[0]
+    got = pool2.run(steps_case, [*over, *PRE], str(tmp_path / "pre"))[0]
+    _agree(got, frozen, rel=1e-6)
