@@ -155,3 +155,28 @@ def test_precomputed_reference_at_dp2_gives_the_frozen_copy_losses(pool2, tmp_pa
     frozen = pool2.run(steps_case, over, str(tmp_path / "frozen"))[0]
     got = pool2.run(steps_case, [*over, *PRE], str(tmp_path / "pre"))[0]
     _agree(got, frozen, rel=1e-6)
+
+
+def eval_case(overrides: list[str], run_dir: str) -> dict:
+    """Worker: two steps, then the held-out pairs' loss and metrics."""
+    from ftcore.config.schema import compose
+    from ftcore.training import trainer
+    from ftcore.training.evaluation import evaluate
+
+    over = [*BASE, *FULL, "data.val_fraction=0.2", "eval.interval=2", *overrides]
+    state = trainer.setup(compose([*over, f"run.dir={run_dir}"]))
+    for _ in range(2):
+        trainer.train_step(state)
+        state.step += 1
+    r = evaluate(state, state.val_batches)
+    return {"loss": r.loss, "pairs": r.pairs, **r.metrics}
+
+
+def test_precomputed_reference_evaluates_the_held_out_pairs(pool1, tmp_path):
+    """The held-out pairs' reference log-probs come from the same first pass: after two steps
+    (the policy moved), evaluation gives the frozen copy's values."""
+    frozen = pool1.run(eval_case, [], str(tmp_path / "frozen"))[0]
+    got = pool1.run(eval_case, PRE, str(tmp_path / "pre"))[0]
+    assert got["pairs"] == frozen["pairs"] > 0 and abs(frozen["rewards/margins"]) > 1e-4
+    for k, v in frozen.items():
+        assert math.isclose(got[k], v, rel_tol=1e-6, abs_tol=1e-9), (k, got, frozen)
