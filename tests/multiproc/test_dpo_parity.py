@@ -149,12 +149,16 @@ def test_precomputed_reference_gives_the_frozen_copy_losses_and_resumes(pool1, r
 
 
 @pytest.mark.dist
-def test_precomputed_reference_at_dp2_gives_the_frozen_copy_losses(pool2, tmp_path):
-    """DP=2 (distributed optimizer): each rank computes its share of the pass."""
+def test_precomputed_reference_at_dp2_gives_the_frozen_copy_losses(pool1, pool2, tmp_path):
+    """DP=2 (distributed optimizer): each rank computes its share of the pass; a one-process run
+    in the same run.dir (re-sharded) reads the stored pass instead of running it."""
     over = [*FULL, *LAYOUTS["dp2"]]
     frozen = pool2.run(steps_case, over, str(tmp_path / "frozen"))[0]
     got = pool2.run(steps_case, [*over, *PRE], str(tmp_path / "pre"))[0]
     _agree(got, frozen, rel=1e-6)
+    one = pool1.run(counted_case, [*FULL, *PRE], str(tmp_path / "pre"))[0]
+    assert one["passes"] == 0
+    _agree(one["steps"], got)
 
 
 def eval_case(overrides: list[str], run_dir: str) -> dict:
