@@ -7,7 +7,8 @@ schedule and layout as training, before a checkpoint is restored: so what it see
 starting weights, in a fresh run and in a resumed one. Each pair's (chosen, rejected) sequence
 log-prob is stored under its sample id (its position in the data's pair table, what
 MicroBatch.pair_ids holds), which does not depend on the layout, the DP size or the stream
-position. The tables are kept in run.dir/reference_logps.pt (written atomically by rank 0): a
+position. The tables are kept in run.dir/reference_logps.pt (written atomically by rank 0 once
+setup has succeeded): a
 resumed or re-sharded run on the same data and model reads them instead of running the pass
 again. The file is data: read with weights_only=True, and used only when its fingerprint (the
 pairs' token ids, the model and reference settings) is this run's; otherwise the pass runs again.
@@ -32,6 +33,7 @@ from ftcore.training.step import forward_step, is_loss_rank, schedule
 
 log = logging.getLogger("ftcore")
 FILE = "reference_logps.pt"
+PENDING = "reference_logps_unsaved"  # state.extra key of a pass not yet written
 VERSION = 1
 
 
@@ -136,14 +138,24 @@ def attach(state) -> None:
     else:
         log.info("precompute_ref: one forward pass over %d pairs for the reference", len(ids))
         tables = _compute(state, ref, ids, val_size)
-        if dist.get_rank() == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{FILE}.tmp")
-            torch.save({"version": VERSION, "key": key, **tables}, tmp)
-            os.replace(tmp, path)
-        dist.barrier()
+        state.extra[PENDING] = {"version": VERSION, "key": key, **tables}  # save(), once resumed
     ref.tables = tables
     ref.val_batches = {id(mb) for batch in state.val_batches for mb in batch}
+
+
+def save(state) -> None:
+    """Write a pass computed by attach() to run.dir (rank 0, atomically), once setup has passed
+    its last refusal (resume): a run that fails to start writes nothing."""
+    payload = state.extra.pop(PENDING, None)
+    if payload is None:
+        return
+    if dist.get_rank() == 0:
+        path = Path(state.run_dir, FILE)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{FILE}.tmp")
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+    dist.barrier()
 
 
 def _max_over_ranks(val_ids: list[int]) -> int:

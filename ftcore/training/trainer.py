@@ -147,6 +147,10 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     #     refusals (another model, PEFT mode, data position) come before anything is written.
     #     (Stop-request handlers are installed by fit(), for exactly as long as it checks them.)
     store.maybe_resume(state)
+    if training and data and cfg.objective.name == "dpo" and cfg.objective.precompute_ref:
+        from ftcore.training import ref_store
+
+        ref_store.save(state)  # the stored first pass, now that nothing can refuse the run
     # 12. The run directory and its config.yaml, only now: a run that fails above writes nothing.
     #     generate writes nothing at all (its output is the text); eval its eval.json later.
     if info.rank == 0 and kind == "train":
