@@ -230,7 +230,8 @@ class ObjectiveConfig:
     label_smoothing: float = 0.0  # dpo, sigmoid only (conservative DPO), in [0, 0.5)
     # dpo with LoRA: the reference is the base plus this adapter, and the policy starts from it
     ref_adapter_path: Optional[str] = None
-    # dpo, full fine-tuning: reference log-probs from a first pass over the data, stored per pair
+    # dpo: reference log-probs from a first pass over the data, stored per pair in run.dir (full
+    # fine-tuning: no frozen copy; LoRA: no forward without adapters per step)
     precompute_ref: bool = False
 
 

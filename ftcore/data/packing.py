@@ -43,6 +43,9 @@ class MicroBatch:
     pair_index: torch.Tensor | None = None  # int64 [b, width]
     pair_side: torch.Tensor | None = None  # int64 [b, width]
     num_pairs: int = 0
+    # the sample ids (positions in the data's pair table) of pairs 0 ... num_pairs-1: what a
+    # stored reference log-prob is keyed by (objective.precompute_ref, training/ref_store.py)
+    pair_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.cu_seqlens is None:
@@ -245,6 +248,7 @@ def make_microbatch(
     pad_id: int,
     doc_multiple: int = 1,
     pairs: list[list[tuple[int, int]]] | None = None,
+    pair_ids: tuple[int, ...] | None = None,
 ) -> MicroBatch:
     """Tensors for rows of documents (an empty row is all padding).
 
@@ -252,7 +256,7 @@ def make_microbatch(
     multiple of it, as TE's THD partitioning needs: the pad tokens follow the document's own
     tokens with its segment id and continuing positions, no loss and no labels, so (causally) no
     real token attends them and they never reach another document. `pairs`: each document's
-    (pair, side) for preference data (MicroBatch.pair_index)."""
+    (pair, side) for preference data (MicroBatch.pair_index), `pair_ids` their sample ids."""
     b = len(rows)
     tokens = np.full((b, seq_len), pad_id, np.int64)
     labels = np.zeros((b, seq_len), np.int64)
@@ -289,6 +293,7 @@ def make_microbatch(
         extra["pair_index"] = torch.from_numpy(pair_index)
         extra["pair_side"] = torch.from_numpy(pair_side)
         extra["num_pairs"] = len({p for tags in pairs for p, _ in tags})
+        extra["pair_ids"] = pair_ids
     if doc_multiple > 1:
         extra |= {
             "cu_seqlens": torch.tensor(real, dtype=torch.int32),

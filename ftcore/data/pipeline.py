@@ -176,8 +176,10 @@ def assemble(cfg, docs: Docs, rows: list[list[int]], pad_id: int) -> list[MicroB
     if cfg.parallel.pp > 1:
         widths = [max(widths)] * len(widths)
     m = doc_multiple(cfg)
-    return [make_microbatch(g, w, pad_id, m, tags)
-            for g, w, (_, tags) in zip(groups, widths, laid)]  # fmt: skip
+    ids = [tuple(u for r in rows[i : i + micro] for u in r) if docs.group > 1 else None
+           for i in range(0, len(rows), micro)]  # fmt: skip
+    return [make_microbatch(g, w, pad_id, m, tags, pair_ids)
+            for g, w, (_, tags), pair_ids in zip(groups, widths, laid, ids)]  # fmt: skip
 
 
 class TrainLoader:

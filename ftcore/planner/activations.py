@@ -108,8 +108,9 @@ def rows_per_item(cfg) -> int:
 
 
 def reference_forwards(cfg) -> int:
-    """objective=dpo: one forward of the reference per micro-batch, before the policy's."""
-    return 1 if _dpo(cfg) else 0
+    """objective=dpo: one forward of the reference per micro-batch, before the policy's; none
+    with objective.precompute_ref (a one-time pass before training, not priced per step)."""
+    return 1 if _dpo(cfg) and not getattr(cfg.objective, "precompute_ref", False) else 0
 
 
 def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:

@@ -49,4 +49,10 @@ def labels(cfg) -> dict[str, str]:
             "assumed: the busiest EP rank receives plan.moe_imbalance x the mean routed tokens "
             "(moe.capacity_factor where set); the all-to-alls fully exposed; not yet measured"
         )
+    o = getattr(cfg, "objective", None)
+    if o is not None and o.name == "dpo" and getattr(o, "precompute_ref", False):
+        out["dpo_reference"] = (
+            "objective.precompute_ref: no reference copy and no reference forward per step; "
+            "a one-time forward pass over every pair before step 1 (not in the step time)"
+        )
     return out

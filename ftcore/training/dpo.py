@@ -37,6 +37,15 @@ class Reference:
     chunks: list | None = None
     ref_adapter: dict | None = None
     policy: list = field(default_factory=list)  # the policy's unwrapped chunks (LoRA)
+    # objective.precompute_ref (training/ref_store.py): [pairs, 2] log-probs by sample id, of the
+    # training stream ("train") and the held-out pairs ("val", the batches in `val_batches`)
+    tables: dict | None = None
+    val_batches: set = field(default_factory=set)
+
+    def stored(self, mb) -> torch.Tensor:
+        """The stored [num_pairs, 2] reference log-probs of a micro-batch's pairs."""
+        table = self.tables["val" if id(mb) in self.val_batches else "train"]
+        return table[list(mb.pair_ids or ())]
 
     def context(self):
         from ftcore.peft import reference as peft_ref
@@ -48,9 +57,10 @@ class Reference:
         return peft_ref.adapters_off(self.policy)
 
 
-def build_reference(cfg, chunks: list) -> Reference:
+def build_reference(cfg, chunks: list, precompute: bool = False) -> Reference:
     """Before DDP and resume (trainer.setup): LoRA's reference lives in the policy; full
-    fine-tuning's is a frozen copy of the policy's starting weights, sharded like it."""
+    fine-tuning's is a frozen copy of the policy's starting weights, sharded like it, or (with
+    `precompute`, training/ref_store.py) the policy itself for the one pass before training."""
     if cfg.peft.name != "none":
         ref_adapter = None
         if cfg.objective.ref_adapter_path:
@@ -58,6 +68,8 @@ def build_reference(cfg, chunks: list) -> Reference:
 
             ref_adapter = load_reference_adapter(chunks, cfg, cfg.objective.ref_adapter_path)
         return Reference(ref_adapter=ref_adapter, policy=list(chunks))
+    if precompute:
+        return Reference()
     from ftcore.models.builder import build_model
     from ftcore.models.sharding import iter_params
 
@@ -117,7 +129,7 @@ def _policy_loss(obj, store: dict, whole, mb, vocab_size: int, rows):
     def loss(output):
         with cpu.mode_suspended():
             sums, counts = pair_sums(whole, mb, vocab_size, rows, output)
-            ref = store.pop(id(whole))
+            ref = store.pop(id(whole)).to(sums.device, sums.dtype)
             losses = preference.pair_losses(obj, sums, ref, counts)
             first = ps.get_context_parallel_rank() == 0  # the CP ranks hold the same sums
             pairs = len(losses) if first else 0
@@ -144,9 +156,12 @@ def run_pairs(state, microbatches: list, *, forward_only: bool, timers=None) -> 
     ref: Reference = state.extra["reference"]
     obj = preference.Objective.of(state.cfg)
     store: dict = {}
-    with torch.no_grad(), ref.context():
-        step = partial(forward_step, make_loss=partial(_reference_loss, store))
-        schedule(state, microbatches, forward_only=True, step=step, model=ref.chunks)
+    if ref.tables is not None:  # objective.precompute_ref: no reference forward
+        store = {id(mb): ref.stored(mb) for mb in microbatches}
+    else:
+        with torch.no_grad(), ref.context():
+            step = partial(forward_step, make_loss=partial(_reference_loss, store))
+            schedule(state, microbatches, forward_only=True, step=step, model=ref.chunks)
     step = partial(forward_step, make_loss=partial(_policy_loss, obj, store))
     out = schedule(state, microbatches, forward_only=forward_only, timers=timers, step=step)
     local = torch.stack([o["dpo"] for o in out]).sum(0).tolist() if out else [0.0] * 9

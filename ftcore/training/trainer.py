@@ -124,7 +124,8 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     if cfg.objective.name == "dpo":  # the reference: in the policy (LoRA) or a frozen copy
         from ftcore.training.dpo import build_reference
 
-        state.extra["reference"] = build_reference(cfg, chunks)
+        precompute = cfg.objective.precompute_ref and training and data
+        state.extra["reference"] = build_reference(cfg, chunks, precompute)
     # 9. Data: this DP rank's shard of a layout-independent global order. Before the schedule:
     #    with train.epochs, the step count comes from the data size.
     dp_rank = ps.get_data_parallel_rank()
@@ -138,10 +139,18 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     state.optimizer = build_optimizer(cfg, state.model)
     state.scheduler = build_scheduler(cfg, state.optimizer)
     _wire_model_config(state)
+    if cfg.objective.name == "dpo" and cfg.objective.precompute_ref and training and data:
+        from ftcore.training import ref_store
+
+        ref_store.attach(state)  # the starting weights' log-probs, before a restore
     # 11. Resume (model, optimizer, schedule, data position, RNG) from checkpoints/latest: its
     #     refusals (another model, PEFT mode, data position) come before anything is written.
     #     (Stop-request handlers are installed by fit(), for exactly as long as it checks them.)
     store.maybe_resume(state)
+    if training and data and cfg.objective.name == "dpo" and cfg.objective.precompute_ref:
+        from ftcore.training import ref_store
+
+        ref_store.save(state)  # the stored first pass, now that nothing can refuse the run
     # 12. The run directory and its config.yaml, only now: a run that fails above writes nothing.
     #     generate writes nothing at all (its output is the text); eval its eval.json later.
     if info.rank == 0 and kind == "train":

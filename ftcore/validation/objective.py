@@ -67,7 +67,8 @@ def check_objective(cfg: DictConfig) -> None:
 
 def check_reference(cfg: DictConfig) -> None:
     """LoRA's reference is the base with the adapters off (or base + ref_adapter_path); full
-    fine-tuning's a frozen copy sharded like the policy. A stored first pass is not built."""
+    fine-tuning's a frozen copy sharded like the policy; either, with precompute_ref, log-probs
+    stored by a first pass (training/ref_store.py)."""
     o = cfg.objective
     if o.ref_adapter_path and cfg.peft.name == "none":
         raise FtcoreError(
@@ -80,12 +81,4 @@ def check_reference(cfg: DictConfig) -> None:
             f"{o.ref_adapter_path} is not a PEFT adapter directory (no adapter_config.json)",
             field="objective.ref_adapter_path",
             fix="the hf_adapter/ directory of the SFT run to start from",
-        )
-    if o.precompute_ref:
-        raise FtcoreError(
-            "reference log-probs from a stored first pass are not built in ftcore: the reference "
-            "runs its forward every step (LoRA: the base with the adapters off; full "
-            "fine-tuning: a frozen copy sharded like the policy, priced by ftcore.plan)",
-            field="objective.precompute_ref",
-            fix="objective.precompute_ref=false",
         )

@@ -1,6 +1,6 @@
 """The planner prices DPO (issue 44): the reference's forward in the step time, a pair's two rows in
 the activations (unpacked), and full fine-tuning's frozen reference copy in the weights; the LoRA
-reference (the adapters off) costs no memory. Each plan is held against the same command with
+reference (the adapters off) costs no memory; precompute_ref prices neither copy nor forward. Each plan is held against the same command with
 objective=sft."""
 
 from __future__ import annotations
@@ -38,3 +38,13 @@ def test_full_dpo_holds_a_frozen_copy_of_the_weights():
     ref = max(s.parts["reference_weights"] for s in stages) / 2**30
     assert ref > 0 and dpo["weights"] == pytest.approx(sft["weights"] + ref, rel=1e-6)
     assert dpo["step"] > sft["step"]
+
+
+@pytest.mark.parametrize("over", [FULL, LORA], ids=["full", "lora"])
+def test_precomputed_reference_prices_no_copy_and_no_forward(over):
+    """objective.precompute_ref: the SFT plan's weights and step time, and a label for the pass."""
+    sft, pre = _plan(over, "sft"), _plan([*over, "objective.precompute_ref=true"], "dpo")
+    assert pre["weights"] == sft["weights"] and pre["optimizer"] == sft["optimizer"]
+    assert pre["step"] == pytest.approx(sft["step"], rel=0.02)  # both packed: the same rows
+    p = planner.plan(compose([*over, "objective=dpo", "objective.precompute_ref=true"]))
+    assert "one-time" in p["labels"]["dpo_reference"]

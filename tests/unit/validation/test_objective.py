@@ -37,7 +37,6 @@ def test_default_is_sft_and_dpo_composes():
         (["objective.loss_type=[ipo,hinge]", "objective.label_smoothing=0.1"],
          "objective.label_smoothing", "ignored by ipo, hinge"),
         (["peft=none", "objective.ref_adapter_path=x"], "objective.ref_adapter_path", "full fine-tuning"),
-        (["objective.precompute_ref=true"], "objective.precompute_ref", "frozen copy"),
         (["objective.ref_adapter_path=/nonexistent"], "objective.ref_adapter_path", "not a PEFT"),
         (["model.family=qwen3_moe", "model.num_experts=4", "model.moe_ffn_hidden_size=64"],
          "objective", "mixture of experts"),
