@@ -23,9 +23,10 @@ def task(cfg: DictConfig) -> int:
     from ftcore.planner.layers import split_layers
     from ftcore.planner.report import table
     from ftcore.planner.search import search
-    from ftcore.validation.checks import check_sequence
+    from ftcore.validation.checks import check_sequence, with_hf_shapes
 
     check_ranges(cfg)
+    cfg = with_hf_shapes(cfg)  # model.hf_path given: its config.json's shapes, not the preset's
 
     if cfg.plan.format not in ("table", "json"):
         raise FtcoreError(

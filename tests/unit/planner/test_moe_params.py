@@ -59,3 +59,22 @@ def test_shipped_configs_match_the_model_cards(model, total_b, active_b):
     total, active = _planned([f"model={model}"])
     assert total / 1e9 == pytest.approx(total_b, rel=0.02)
     assert active / 1e9 == pytest.approx(active_b, rel=0.02)
+
+
+def test_plan_reads_the_shapes_of_model_hf_path(tmp_path, capsys):
+    """`ftcore.plan model.hf_path=DIR` plans the checkpoint's own shapes (a MoE one here), not the
+    preset's: the total is transformers' count of the saved model."""
+    import json
+
+    from ftcore.cli import main
+    from ftcore.plan import task
+    from tests.support.moe import make_tiny_moe
+
+    path = make_tiny_moe(tmp_path / "moe", "qwen3_moe")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    status = main("plan", task, ["+exp=tiny_full", f"model.hf_path={path}", "plan.format=json",
+                                 "cluster.host_probe=false"])  # fmt: skip
+    assert status == 0
+    params = json.loads(capsys.readouterr().out)["params"]
+    assert params["total"] == sum(p.numel() for p in model.parameters())
+    assert params["moe"]["experts"] == NUM_EXPERTS
