@@ -14,8 +14,6 @@ from ftcore.models import moe_routing
 from ftcore.models.sharding import unwrap
 from ftcore.runtime import dist as rdist
 
-FIELDS = ("aux_loss", "z_loss", "expert_load_max_over_mean")  # metrics.jsonl, MoE runs only
-
 
 def is_moe(model: list) -> bool:
     return getattr(unwrap(model[0]).config, "num_moe_experts", None) is not None
@@ -33,9 +31,11 @@ def scaled_step(state, microbatches: list, contribute: bool):
     tokens for the routers (models/moe_routing.py), summed over the world from the ranks that
     load distinct micro-batches (`contribute`, step.is_data_rank). The counts stay on the device
     (no host read before the forward); `state.extra["moe_tokens"]` keeps them for `collect`."""
-    counts = [float(sum(mb.num_tokens for mb in microbatches)),
-              float(sum(float(mb.loss_mask.sum()) for mb in microbatches))]  # fmt: skip
-    t = torch.tensor(counts if contribute else [0.0, 0.0], device=rdist.comm_device())
+    dev = rdist.comm_device()
+    t = torch.zeros(2, device=dev)
+    if contribute:
+        t[0] = float(sum(mb.num_tokens for mb in microbatches))
+        t[1] = sum(mb.loss_mask.sum().to(dev, torch.float32) for mb in microbatches)
     t = _world_sum(t)
     state.extra["moe_tokens"] = t
     with moe_routing.step_scale(t[1] / t[0].clamp_min(1.0)):
