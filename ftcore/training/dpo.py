@@ -164,7 +164,9 @@ def run_pairs(state, microbatches: list, *, forward_only: bool, timers=None) -> 
             schedule(state, microbatches, forward_only=True, step=step, model=ref.chunks)
     step = partial(forward_step, make_loss=partial(_policy_loss, obj, store))
     out = schedule(state, microbatches, forward_only=forward_only, timers=timers, step=step)
-    local = torch.stack([o["dpo"] for o in out]).sum(0).tolist() if out else [0.0] * 9
+    # per micro-batch: loss sum, pairs, completion tokens, then preference.METRICS' sums
+    width = 3 + len(preference.METRICS)
+    local = torch.stack([o["dpo"] for o in out]).sum(0).tolist() if out else [0.0] * width
     total = reduce_sums(local, is_loss_rank())
     loss_sum, pairs, tokens, sums = total[0], total[1], total[2], total[3:]
     means = preference.means(loss_sum, pairs, sums)
