@@ -91,9 +91,12 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     torch.manual_seed(cfg.run.seed)
     with cpu.device_mode():
         model_parallel_cuda_manual_seed(cfg.run.seed)
-    # 5. One run directory for all ranks (created at step 12, once setup has succeeded).
+    # 5. One run directory for all ranks (written at step 12, once setup has succeeded), locked
+    #    for this run: a live run in it already is exit 2 naming its pid, host and start time.
     cfg.run.dir = rdist.broadcast_object(rdist.decide_run_dir(cfg, kind))
     run_dir = Path(cfg.run.dir)
+    if training:
+        rdist.lock_run_dir(run_dir, info.rank)
     state = TrainState(cfg=cfg, info=info, run_dir=run_dir, dp=dp)
     # 6. Tokenizer (its vocab size is the model's unpadded vocab).
     state.tokenizer = load_tokenizer(cfg)
