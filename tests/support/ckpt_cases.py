@@ -89,9 +89,11 @@ class Workers:
         self.env = base  # what a user's shell would hand the next start
         self.log = open(log, "a")  # noqa: SIM115 - closed in wait()
         self.t0 = time.time()
-        if launcher:
-            self.procs = [subprocess.Popen(argv + ["launcher.nproc_per_node=2"], env=base, cwd=ROOT,
-                                           stdout=self.log, stderr=subprocess.STDOUT)]  # fmt: skip
+        if launcher:  # its own process group, as a shell starts a command (os.killpg kills it)
+            self.argv = argv + ["launcher.nproc_per_node=2"]
+            self.procs = [subprocess.Popen(self.argv, env=base, cwd=ROOT,
+                                           stdout=self.log, stderr=subprocess.STDOUT,
+                                           start_new_session=True)]  # fmt: skip
             return
         self.store = host_store(2)  # open until these ranks are gone
         self.procs = []
