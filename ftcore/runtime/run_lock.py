@@ -8,9 +8,9 @@ flock when the last process holding the file is gone, however it died (SIGKILL, 
 there is never a stale lock to clear. The file says who holds it (pid, host, start time, workers),
 which the refusal names (exit 2).
 
-A run that fails before writing anything leaves nothing: the directory the lock created is
-removed again when `run.lock` is all it holds. A file system without flock (some Lustre mounts)
-gets a warning and no lock.
+The file exists while a run holds it (or after one was killed): a run that ends removes it, and
+the directory the lock created if nothing else was written (a run that failed in setup leaves
+nothing). A file system without flock (some Lustre mounts) gets a warning and no lock.
 """
 
 from __future__ import annotations
@@ -136,16 +136,17 @@ def inherited(run_dir: str | Path) -> bool:
 
 
 def release() -> None:
-    """Drop the lock this process took; remove the run directory it created if the lock file is
-    all that is in it (the run failed before writing anything)."""
+    """Drop the lock this process took and its file (a run that ended leaves no run.lock, so a
+    refused start leaves the directory as it was), and the run directory if the lock created it
+    and nothing else was written (the run failed before writing anything)."""
     global _held
     held, _held = _held, None
     if held is None:
         return
     try:
-        if held.created_dir and [p.name for p in held.path.parent.iterdir()] == [LOCK_NAME]:
-            held.path.unlink()  # still locked: a start waiting on this file retries (acquire)
-            held.path.parent.rmdir()
+        held.path.unlink()  # still locked: a start that opened this file retries (acquire)
+        if held.created_dir:
+            held.path.parent.rmdir()  # only if empty
     except OSError:
         pass
     finally:

@@ -52,7 +52,7 @@ def test_a_second_start_is_refused_naming_the_holder_until_it_is_killed(holder):
         assert held is not None and (run / run_lock.LOCK_NAME).is_file()
     finally:
         run_lock.release()
-    assert run.is_dir()  # it existed before this lock (the killed holder made it)
+    assert run.is_dir() and not any(run.iterdir())  # the killed holder made it: kept
 
 
 def test_a_run_that_wrote_nothing_leaves_nothing(tmp_path):
@@ -64,7 +64,7 @@ def test_a_run_that_wrote_nothing_leaves_nothing(tmp_path):
     run_lock.acquire(run)
     (run / "config.yaml").write_text("x: 1\n")
     run_lock.release()
-    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", run_lock.LOCK_NAME]
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]  # the run's, not the lock
 
 
 LAUNCHER = """
@@ -124,13 +124,15 @@ def test_a_link_or_another_users_lock_file_is_refused(tmp_path):
         run_lock.acquire(run)
 
 
-def test_a_one_process_train_is_refused_before_anything_is_built(holder, capsys):
-    """`python -m ftcore.train ... run.dir=<in use>` alone: exit 2 from the launch checks, before
-    megatron is imported or the process group exists."""
-    from ftcore.cli import main
-    from ftcore.train import task
+def test_a_one_process_train_is_refused_before_anything_is_built(holder):
+    """`python -m ftcore.train ... run.dir=<in use>` alone: launch_standalone refuses it right
+    after the config checks (here: none), before the process group or any model exists."""
+    from ftcore.config.schema import compose
+    from ftcore.runtime import dist as rdist
 
     run, proc = holder
-    assert main("train", task, ["+exp=tiny_full", f"run.dir={run}"]) == 2
-    err = capsys.readouterr().err
-    assert f"ftcore error: run.dir: {run} is in use by a live run (pid {proc.pid} " in err, err
+    cfg = compose(["+exp=tiny_full", f"run.dir={run}"])
+    with pytest.raises(FtcoreError) as e:
+        rdist.launch_standalone(cfg, "ftcore.train", lambda cfg, nproc: None)
+    assert f"{run} is in use by a live run (pid {proc.pid} " in str(e.value)
+    assert rdist.launch_standalone(cfg.copy(), "ftcore.eval", lambda cfg, nproc: None) is None
