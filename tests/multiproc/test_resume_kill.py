@@ -220,8 +220,9 @@ def _refused_while_live(w: Workers, run_dir: Path) -> None:
 def test_soak_launcher_killed_at_random_moments(tmp_path):
     """issue 52 item 12's done-when, with `launcher.nproc_per_node=2` (ftcore's own launcher,
     workers in their own sessions), TP=2 and a checkpoint every 2 steps. Each start is SIGKILLed
-    with its process group at a random moment: while starting up (seconds after the command) or
-    while training (a random delay after one of its steps, so sometimes in a save). Every time:
+    with its process group at a random moment: before it started its workers, while they start
+    up (imports, setup, the resume's load), or while training (a random delay after one of its
+    steps, so sometimes in a save). Every time:
     no worker outlives its launcher (each gets SIGTERM from the kernel: a training one saves at
     the next step boundary and exits); the next start in the same run.dir resumes from the
     newest checkpoint; the last one finishes, and every step and the final weights equal the
@@ -241,21 +242,26 @@ def test_soak_launcher_killed_at_random_moments(tmp_path):
         started = _step(before)
         w = Workers(run_dir, over, tmp_path / f"log{i}.txt", launcher=True)
         # the first kill comes while training (then there is a checkpoint to resume from); the
-        # others while training or while starting up, a coin toss
-        training = i == 0 or rng.random() < 0.6
+        # others while training, while the workers start up (imports, setup, the resume's load)
+        # or before the launcher has started any
+        phase = "training" if i == 0 else rng.choices(["training", "workers starting",
+                                                       "launcher starting"], [6, 3, 1])[0]  # fmt: skip
+        training = phase == "training"
         if training:
             w.until(lambda: logged_step(w) > started, poll=0.01)  # noqa: B023
             if i == 0:
                 _refused_while_live(w, run_dir)
             time.sleep(rng.uniform(0.0, 0.6))
+        elif phase == "workers starting":
+            w.until(lambda: len(children(w.procs[0].pid)) == 2, poll=0.01)  # noqa: B023
+            time.sleep(rng.uniform(0.0, 5.0))
         else:
-            time.sleep(rng.uniform(0.5, 6.0))
+            time.sleep(rng.uniform(0.1, 1.5))
         workers, took = _kill_group_and_watch(w, run_dir)
         log = w.text()
         stopped = re.search(r"stopped at step (\d+)", log)
-        phase = (
-            "training" if training else f"starting, {max(0, logged_step(w) - started)} steps logged"
-        )
+        if not training:
+            phase += f", {max(0, logged_step(w) - started)} steps logged"
         print(f"kill {i + 1} ({phase}, {workers} workers): {before} -> {latest(run_dir)}; no "
               f"process of the run left {took:.1f} s after the launcher; "
               f"{'saved step ' + stopped.group(1) if stopped else 'no save'}")  # fmt: skip
