@@ -22,10 +22,11 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ftcore.errors import FtcoreError
+from ftcore.runtime import safe_files
 
 log = logging.getLogger("ftcore")
 
@@ -40,6 +41,7 @@ class Held:
     path: Path
     fd: int
     created_dir: bool  # the run directory did not exist before this lock
+    said: dict = field(default_factory=dict)  # what the file says about the holder
 
 
 _held: Held | None = None
@@ -106,12 +108,8 @@ def note(**fields) -> None:
     """Add `fields` to what the held lock file says about its holder (e.g. the workers' pids)."""
     if _held is None:
         return
-    try:
-        said = json.loads(os.pread(_held.fd, 4096, 0) or b"{}")
-    except ValueError:
-        said = {}
-    said = {**said, **fields}
-    data = json.dumps(said).encode() + b"\n"
+    _held.said.update(fields)
+    data = json.dumps(_held.said).encode() + b"\n"
     os.ftruncate(_held.fd, 0)
     os.pwrite(_held.fd, data, 0)
 
@@ -165,10 +163,10 @@ def _make_dir(run_dir: Path) -> bool:
 
 def _describe(fd: int) -> str:
     """`pid P on host H, started T (workers ...)` from the lock file, as far as it says."""
-    try:
-        said = json.loads(os.pread(fd, 4096, 0))
+    try:  # another run's words: data, read as JSON through the door, never trusted further
+        said = safe_files.parse_json(os.pread(fd, 4096, 0), LOCK_NAME, "run.dir")
         pid, host, started = int(said["pid"]), str(said["host"]), str(said["started"])
-    except (ValueError, KeyError, TypeError, OSError):
+    except (FtcoreError, ValueError, KeyError, TypeError, OSError):
         return "its holder did not say who it is"
     text = f"pid {pid} on host {host}, started {started}"
     workers = said.get("workers")
