@@ -291,12 +291,16 @@ def held_out_table(pred: Predictor, rows: list[dict]) -> list[str]:
         "| held-out row | gbs | published | predicted (shipped) | error | source |",
         "|---|---:|---:|---:|---:|---|",
     ]
+    errs = []
     for r in rows:
         pub, got = float(r["tokens_per_s_per_gpu"]), pred(r)
+        errs.append(abs_error(got, pub))
         out.append(
             f"| {row_id(r)} | {r['gbs']} | {pub:.0f} | {got:.0f} | {got / pub - 1:+.1%} "
             f"| {r['source']} |"
         )
+    out.append(f"| median absolute error ({len(errs)} rows) | | | | "
+               f"{statistics.median(errs):.1%} | worst {max(errs):.1%} |")  # fmt: skip
     return out
 
 
