@@ -82,7 +82,7 @@ def _step(*extra: str):
     return step_time(view(compose([*BASE, *extra])), 8)
 
 
-def test_small_micro_batches_on_a_b200_wait_for_the_host():
+def test_small_micro_batches_on_a_b200_wait_for_the_host_and_each_layer_costs_its_latency():
     """Dropless, the layer's forward waits for the host's launches after the token-count sync:
     on a DGX B200 at micro-batch 1 (16 local experts) the step is host-bound, at 4 less so; padded
     to capacity (no sync: expert_host_s 0) nothing waits; a Grace host and H100 (no host constant)
@@ -98,17 +98,13 @@ def test_small_micro_batches_on_a_b200_wait_for_the_host():
     assert padded.host_bound_s == 0 and padded.total == pytest.approx(
         mbs1.total - mbs1.host_bound_s
     )
-    assert _step("cluster=gb200", "train.micro_batch_size=1").host_bound_s == 0
+    gb200 = _step("cluster=gb200", "train.micro_batch_size=1")
+    assert gb200.host_bound_s == 0
     assert _step("cluster=h100", "train.micro_batch_size=1").host_bound_s == 0
-
-
-def test_a_moe_layer_costs_its_kernel_latency_per_micro_batch():
-    """moe_layer_latency_s adds a fixed time per MoE layer and micro-batch: 48 layers x 64
-    micro-batches at micro-batch 1, whatever the experts' FLOPs."""
-    on = _step("cluster=gb200", "train.micro_batch_size=1")
-    off = _step("cluster=gb200", "train.micro_batch_size=1", "cluster.moe_layer_latency_s=0")
+    # the kernel latency: a fixed time per MoE layer and micro-batch (48 x 64), whatever the FLOPs
+    no_latency = _step("cluster=gb200", "train.micro_batch_size=1", "cluster.moe_layer_latency_s=0")
     lat = calibration.BLACKWELL.moe_layer_latency_s
-    assert on.compute_s - off.compute_s == pytest.approx(48 * 64 * lat)
+    assert gb200.compute_s - no_latency.compute_s == pytest.approx(48 * 64 * lat)
 
 
 def test_gb300_is_not_gb200():
