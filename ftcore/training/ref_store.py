@@ -29,6 +29,8 @@ from megatron.core import parallel_state as ps
 from omegaconf import OmegaConf
 
 from ftcore.data.pipeline import assemble
+from ftcore.runtime import collectives
+from ftcore.runtime import dist as rdist
 from ftcore.training.step import forward_step, is_loss_rank, schedule
 
 log = logging.getLogger("ftcore")
@@ -91,8 +93,16 @@ def _compute(state, ref, ids: np.ndarray, val_size: int) -> dict[str, torch.Tens
         _pass(state, ref, _train_batches(state, ids), train)
         _pass(state, ref, state.val_batches, val)
     for t in (train, val):  # each pair has exactly one owner, the others add 0.0: exact
-        dist.all_reduce(t)
+        t.copy_(_world_sum(t))
     return {"train": train.float(), "val": val.float()}
+
+
+def _world_sum(t: torch.Tensor) -> torch.Tensor:
+    """A host table summed over the world, back on the host: the tables are filled and read on
+    the host, but the default group is NCCL on a GPU cluster, which takes device tensors only."""
+    d = t.to(rdist.comm_device())
+    collectives.all_reduce(d)
+    return d.cpu()
 
 
 def _load(path: Path, key: str) -> dict | None:
@@ -111,8 +121,8 @@ def _load(path: Path, key: str) -> dict | None:
 
 def _agreed(ok: bool) -> bool:
     """True only when every rank found the file usable."""
-    flag = torch.tensor([1 if ok else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    flag = torch.tensor([1 if ok else 0], device=rdist.comm_device())
+    collectives.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 
@@ -155,11 +165,11 @@ def save(state) -> None:
         tmp = path.with_name(f".{FILE}.tmp")
         torch.save(payload, tmp)
         os.replace(tmp, path)
-    dist.barrier()
+    collectives.barrier()
 
 
 def _max_over_ranks(val_ids: list[int]) -> int:
     """The held-out table's size: one more than the largest held-out sample id of any rank."""
-    n = torch.tensor([max(val_ids) + 1 if val_ids else 0])
-    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    n = torch.tensor([max(val_ids) + 1 if val_ids else 0], device=rdist.comm_device())
+    collectives.all_reduce(n, op=dist.ReduceOp.MAX)
     return int(n.item())

@@ -17,7 +17,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from omegaconf import DictConfig, OmegaConf
 
 from ftcore.errors import FtcoreError, StopRequested
-from ftcore.runtime import cpu, signals
+from ftcore.runtime import collectives, cpu, signals
 from ftcore.runtime import dist as rdist
 from ftcore.training import metrics as metrics_mod
 from ftcore.training import moe_metrics, optim, overlap
@@ -92,7 +92,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     with cpu.device_mode():
         model_parallel_cuda_manual_seed(cfg.run.seed)
     # 5. One run directory for all ranks (created at step 12, once setup has succeeded).
-    cfg.run.dir = rdist.broadcast_object(rdist.decide_run_dir(cfg, kind))
+    cfg.run.dir = collectives.broadcast_object(rdist.decide_run_dir(cfg, kind))
     run_dir = Path(cfg.run.dir)
     state = TrainState(cfg=cfg, info=info, run_dir=run_dir, dp=dp)
     # 6. Tokenizer (its vocab size is the model's unpadded vocab).

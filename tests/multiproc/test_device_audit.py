@@ -11,6 +11,9 @@ end-of-run HF export)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -159,3 +162,62 @@ def cp2_packed_audited(run_dir: str) -> dict:
 def test_cp2_packed_collectives_get_gpu_tensors(pool2, tmp_path):
     res = pool2.run(cp2_packed_audited, str(tmp_path))
     assert res[0] == res[1] and all(torch.isfinite(torch.tensor(list(res[0].values())))), res
+
+
+MOE = ["model.family=qwen3_moe", "model.num_experts=4", "model.moe_ffn_hidden_size=64",
+       "model.moe_router_topk=2", "model.moe_aux_loss_coeff=0.01", "parallel.ep=2"]  # fmt: skip
+
+
+def dpo_precompute_and_moe_audited(run_dir: str) -> dict:
+    """Issue 50, items 1 and 8: LoRA DPO with objective.precompute_ref (the stored file's
+    agreement, the held-out table's size and the pass's table sums are collectives) and an ep=2
+    MoE step (the router's token counts and metrics), under the audit; the blocking
+    host-to-device copies made inside each training step, by call site."""
+    from collections import Counter
+
+    from ftcore.config.schema import compose
+    from ftcore.runtime import device_audit
+    from ftcore.training import trainer
+    from tests.multiproc.test_dpo_parity import BASE, LORA, PRE
+    from tests.support.layouts import build
+
+    out = {}
+    with device_audit.shadow_devices():
+        over = [*BASE, *LORA, *PRE, "train.global_batch_size=8", f"run.dir={run_dir}/dpo"]
+        state = trainer.setup(compose(over))
+        device_audit.reset_copies()
+        out["dpo"] = trainer.train_step(state)["loss"]
+        out["dpo_copies"] = Counter(device_audit.blocking_copies())
+        out["dpo_microbatches"] = len(state.loader.next_microbatches())
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    with device_audit.shadow_devices():
+        state = build([*MOE, "train.micro_batch_size=1"], f"{run_dir}/moe")
+        device_audit.reset_copies()
+        out["moe"] = trainer.train_step(state)["loss"]
+        out["moe_copies"] = Counter(device_audit.blocking_copies())
+        out["moe_microbatches"] = len(state.loader.next_microbatches())
+    return out
+
+
+@pytest.mark.dist
+def test_dpo_precompute_and_moe_collectives_get_gpu_tensors(pool2, tmp_path):
+    """Item 1: the precompute pass handed NCCL host tensors (the door refuses them). Item 8: no
+    blocking host-to-device copy is made once per micro-batch (the MoE token count and DPO's
+    stored reference rows were): with 4 micro-batches a step, no call site of ftcore's copies 4
+    times (the step's own sums copy once or twice a step). megatron's router moves its weight
+    to the GPU at each forward here, where ftcore's build (chunk.cuda) has not moved it first:
+    not counted."""
+    import ftcore
+
+    own = str(Path(ftcore.__file__).parent) + os.sep
+    res = pool2.run(dpo_precompute_and_moe_audited, str(tmp_path))
+    for r in res:
+        assert torch.isfinite(torch.tensor([r["dpo"], r["moe"]])).all(), r
+        for kind in ("dpo", "moe"):
+            n = r[f"{kind}_microbatches"]
+            assert n == 4, r
+            per_microbatch = {site: k for site, k in r[f"{kind}_copies"].items()
+                              if k >= n and site.startswith(own)}  # fmt: skip
+            assert not per_microbatch, (kind, per_microbatch)
