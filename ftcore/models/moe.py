@@ -64,11 +64,25 @@ def transformer_kwargs(cfg: DictConfig, *, on_cpu: bool) -> dict:
     )
 
 
+def router_without_te() -> None:
+    """megatron-core 0.16.1's moe_utils binds `te_general_gemm` only when Transformer Engine
+    imports, and `RouterGatingLinearFunction.forward` tests `te_general_gemm is not None`: a
+    NameError at the first router forward wherever TE is missing (a GPU without TE too, where the
+    CPU runtime's fixes, runtime/cpu_moe.py, are not installed). Bound to None, megatron's own
+    "no TE" value (extensions/transformer_engine.py). Idempotent; called for every MoE build."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def moe_layer_spec(cfg: DictConfig, dense_spec, *, on_cpu: bool):
     """An MoE layer's spec. CPU: the local dense spec with megatron's MoE layer (SequentialMLP
     experts) as its MLP; GPU: megatron's TE spec with TEGroupedMLP experts (its pre-MLP norm is a
     TENorm of its own, not fused into the first linear as in the dense TE layer)."""
     from ftcore.config.families import family
+
+    router_without_te()
 
     if not on_cpu:
         from megatron.core.models.gpt.gpt_layer_specs import (

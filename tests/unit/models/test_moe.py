@@ -77,3 +77,19 @@ def test_dry_build_holds_this_ep_rank_experts():
         assert experts == sparse * 2 * 3 * 64 * 48
         routers = [n for n, _ in chunks[0].named_parameters() if n.endswith("router.weight")]
         assert len(routers) == sparse
+
+
+def test_the_router_runs_without_te_where_the_cpu_runtime_is_off(monkeypatch):
+    """Issue 50 item 2: megatron binds moe_utils.te_general_gemm only when TE imports, and its
+    router's gating tests it: a NameError at the first forward on a GPU without TE, where the CPU
+    runtime (which bound it) is off. Every MoE build binds it now."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe import moe_utils
+
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)  # a process without TE
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 64, generator=g), torch.randn(4, 64, generator=g)
+    with pytest.raises(NameError):
+        moe_utils.router_gating_linear(x, w, None, torch.float32)  # megatron as it is there
+    moe.moe_layer_spec(compose(MOE), get_gpt_layer_local_spec(), on_cpu=True)  # GPU without TE
+    torch.testing.assert_close(moe_utils.router_gating_linear(x, w, None, torch.float32), x @ w.T)
