@@ -81,7 +81,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     # 3. Process group (gloo on CPU), then the CPU runtime before any megatron module is built.
     info = rdist.init_distributed(cfg)
     if info.device.type == "cpu":
-        cpu.activate()
+        cpu.activate(hide_cuda=True)  # cluster.device=cpu on a GPU machine too
     # 4. megatron's parallel state (dp is what tp·pp·cp leave) and seeds (CPU + megatron's RNG tracker).
     rdist.init_model_parallel(cfg, info.world)
     if info.device.type == "cuda" and cfg.parallel.tp_comm_overlap:
