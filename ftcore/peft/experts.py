@@ -73,6 +73,8 @@ class ExpertLoraLinear(LoraParallelLinear):
 
     def forward(self, x, *args, **kwargs):
         out, bias = self.base_layer(x, *args, **kwargs)
+        if not self.adapters_on:  # DPO's reference (peft/reference.py)
+            return out, bias
         if self.dropout and self.training:
             x = F.dropout(x, self.dropout, True)
         if self.column:
@@ -107,6 +109,8 @@ def wrap_experts(mlp, plan: dict, *, geo: Geometry, r: int, scale: float, dropou
 
 def _router_gating(self, input: torch.Tensor):
     logits = self._ftcore_gating(input)
+    if not self.adapters_on:  # DPO's reference (peft/reference.py)
+        return logits
     a, b = self.lora_A["gate"], self.lora_B["gate"]
     x = input.to(logits.dtype)
     return logits + F.linear(F.linear(x, (a * self.lora_scale).to(x.dtype)), b.to(x.dtype))
@@ -122,5 +126,6 @@ def adapt_router(router, *, geo: Geometry, r: int, scale: float, dtype, sp: bool
     for p in (router.lora_A["gate"], router.lora_B["gate"]):
         p.sequence_parallel = sp
     router.lora_scale = scale
+    router.adapters_on = True  # the switch peft/reference.py turns off, as on a LoRA linear
     router._ftcore_gating = router.gating
     router.gating = types.MethodType(_router_gating, router)
