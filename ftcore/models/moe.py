@@ -42,7 +42,8 @@ def transformer_kwargs(cfg: DictConfig, *, on_cpu: bool) -> dict:
     moe = cfg.get("moe") or {}
     from ftcore.precision import recipes
 
-    grouped = not on_cpu and recipes.use_te(cfg)  # TEGroupedMLP and TE's fused permutation
+    te = not on_cpu and recipes.use_te(cfg)
+    grouped = te  # TEGroupedMLP and TE's fused permutation
     return dict(
         num_moe_experts=int(m.num_experts),
         moe_ffn_hidden_size=int(m.moe_ffn_hidden_size or m.ffn_hidden_size),
@@ -59,6 +60,11 @@ def transformer_kwargs(cfg: DictConfig, *, on_cpu: bool) -> dict:
         moe_layer_freq=layer_pattern(m),
         moe_grouped_gemm=grouped,
         moe_permute_fusion=grouped,
+        # FP8/FP4 expert GEMMs take a multiple of 16 rows per expert (32 for MXFP8/FP4): the
+        # dispatcher pads the routing map to it (zero-probability pairs, no change to the output),
+        # so TE's grouped experts find nothing to pad and unpad in every layer (its Fp8Padding
+        # returns aligned input as it is: TE 2.9, pytorch/module/fp8_padding.py)
+        moe_router_padding_for_quantization=te and recipes.is_quantized(cfg),
         expert_model_parallel_size=p.get("ep", 1),
         expert_tensor_parallel_size=p.get("etp", 1),
     )

@@ -93,3 +93,35 @@ def test_the_router_runs_without_te_where_the_cpu_runtime_is_off(monkeypatch):
         moe_utils.router_gating_linear(x, w, None, torch.float32)  # megatron as it is there
     moe.moe_layer_spec(compose(MOE), get_gpt_layer_local_spec(), on_cpu=True)  # GPU without TE
     torch.testing.assert_close(moe_utils.router_gating_linear(x, w, None, torch.float32), x @ w.T)
+
+
+@pytest.mark.parametrize("precision", ["fp8_cs", "mxfp8", "bf16"])
+def test_quantized_experts_get_the_router_padding_te_needs(monkeypatch, precision):
+    """Issue 50 item 12: FP8/FP4 MoE never set megatron's router padding, so Transformer Engine's
+    grouped experts padded and unpadded every layer's tokens per expert (correct, slower). TE's
+    rule (TE 2.9, pytorch/module/fp8_padding.py, Fp8Padding.forward): each expert's row count is
+    rounded up to 16 (32 under MXFP8), and input already so aligned is returned as it is. With the
+    padding on, megatron's dispatcher (moe_utils.pad_routing_map, at megatron's own alignment for
+    the recipe) hands every expert such a count."""
+    from megatron.core.enums import Fp8Recipe
+    from megatron.core.fp8_utils import get_fp8_align_size
+    from megatron.core.transformer.moe.moe_utils import pad_routing_map
+
+    from ftcore.precision import recipes
+
+    monkeypatch.setattr(recipes, "use_te", lambda cfg: True)  # a GPU with TE (none here)
+    cfg = compose(MOE + [f"precision={precision}"])
+    name = recipes.recipe_name(cfg)
+    assert moe.transformer_kwargs(cfg, on_cpu=False)["moe_router_padding_for_quantization"] == (
+        name is not None
+    )
+    assert not moe.transformer_kwargs(cfg, on_cpu=True)["moe_router_padding_for_quantization"]
+    if name is None:
+        return
+    te_align = 32 if name == "mxfp8" else 16  # Fp8Padding's own choice
+    g = torch.Generator().manual_seed(0)
+    routing = torch.zeros(300, 4, dtype=torch.bool)
+    routing.scatter_(1, torch.rand(300, 4, generator=g).topk(2, dim=1).indices, True)
+    counts = pad_routing_map(routing.clone(), get_fp8_align_size(Fp8Recipe(name))).sum(0).tolist()
+    assert [(m + te_align - 1) // te_align * te_align for m in counts] == counts, counts
+    assert sum(counts) > 600  # it did pad: 300 tokens x top-2 over 4 experts
