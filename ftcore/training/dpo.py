@@ -23,6 +23,7 @@ from megatron.core import parallel_state as ps
 
 from ftcore.data.transfer import pin_host_batches, to_device
 from ftcore.models import target_logits
+from ftcore.precision import delayed
 from ftcore.runtime import collectives, cpu
 from ftcore.runtime import dist as rdist
 from ftcore.training import preference
@@ -128,6 +129,20 @@ def _reference_loss(store: dict, whole, mb, vocab_size: int, rows):
     return loss
 
 
+def reference_step(cfg, store: dict):
+    """The schedule's step for a reference forward (under no_grad): forward_step storing each
+    micro-batch's pair sums in `store`, then the FP8 delayed-scaling update TE's autocast exit
+    skips without grad (precision/delayed.py; a no-op for other recipes)."""
+    step = partial(forward_step, make_loss=partial(_reference_loss, store))
+
+    def run(*args, **kwargs):
+        out = step(*args, **kwargs)
+        delayed.update_after_no_grad_forward(cfg)
+        return out
+
+    return run
+
+
 def _policy_loss(obj, store: dict, whole, mb, vocab_size: int, rows):
     def loss(output):
         with cpu.mode_suspended():
@@ -164,7 +179,7 @@ def run_pairs(state, microbatches: list, *, forward_only: bool, timers=None) -> 
         store = {id(mb): ref.stored(mb, dev) for mb in microbatches}
     else:
         with torch.no_grad(), ref.context():
-            step = partial(forward_step, make_loss=partial(_reference_loss, store))
+            step = reference_step(state.cfg, store)
             schedule(state, microbatches, forward_only=True, step=step, model=ref.chunks)
     step = partial(forward_step, make_loss=partial(_policy_loss, obj, store))
     out = schedule(state, microbatches, forward_only=forward_only, timers=timers, step=step)

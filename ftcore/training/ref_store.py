@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +30,7 @@ from omegaconf import OmegaConf
 from ftcore.data.pipeline import assemble
 from ftcore.runtime import collectives
 from ftcore.runtime import dist as rdist
-from ftcore.training.step import forward_step, is_loss_rank, schedule
+from ftcore.training.step import is_loss_rank, schedule
 
 log = logging.getLogger("ftcore")
 FILE = "reference_logps.pt"
@@ -58,13 +57,13 @@ def fingerprint(cfg, docs, ids: np.ndarray) -> str:
 def _pass(state, ref, batches, table: torch.Tensor) -> None:
     """The reference's forward over `batches` (global batches: this rank's micro-batches); the
     loss ranks of CP rank 0 write each pair's sums into `table` at its sample id."""
-    from ftcore.training.dpo import _reference_loss
+    from ftcore.training.dpo import reference_step
 
     owner = is_loss_rank() and ps.get_context_parallel_rank() == 0
     for microbatches in batches:
         store: dict = {}
         with torch.no_grad(), ref.context():
-            step = partial(forward_step, make_loss=partial(_reference_loss, store))
+            step = reference_step(state.cfg, store)
             schedule(state, microbatches, forward_only=True, step=step, model=ref.chunks)
         if owner:
             for mb in microbatches:

@@ -172,19 +172,34 @@ def dpo_precompute_and_moe_audited(run_dir: str) -> dict:
     """Issue 50, items 1 and 8: LoRA DPO with objective.precompute_ref (the stored file's
     agreement, the held-out table's size and the pass's table sums are collectives) and an ep=2
     MoE step (the router's token counts and metrics), under the audit; the blocking
-    host-to-device copies made inside each training step, by call site."""
+    host-to-device copies made inside each training step, by call site. Item 5: the reference
+    forwards of the pass, and how many FP8 delayed-scaling updates followed them."""
     from collections import Counter
 
     from ftcore.config.schema import compose
+    from ftcore.precision import delayed
     from ftcore.runtime import device_audit
-    from ftcore.training import trainer
+    from ftcore.training import dpo, trainer
     from tests.multiproc.test_dpo_parity import BASE, LORA, PRE
     from tests.support.layouts import build
 
-    out = {}
+    out = {"reference forwards": 0, "updates": 0}
+    loss, update = dpo._reference_loss, delayed.update_after_no_grad_forward
+
+    def counted(*args, **kwargs):
+        out["reference forwards"] += 1
+        return loss(*args, **kwargs)
+
+    def counted_update(cfg):
+        out["updates"] += 1
+
     with device_audit.shadow_devices():
         over = [*BASE, *LORA, *PRE, "train.global_batch_size=8", f"run.dir={run_dir}/dpo"]
-        state = trainer.setup(compose(over))
+        dpo._reference_loss, delayed.update_after_no_grad_forward = counted, counted_update
+        try:
+            state = trainer.setup(compose(over))
+        finally:
+            dpo._reference_loss, delayed.update_after_no_grad_forward = loss, update
         device_audit.reset_copies()
         out["dpo"] = trainer.train_step(state)["loss"]
         out["dpo_copies"] = Counter(device_audit.blocking_copies())
@@ -203,7 +218,9 @@ def dpo_precompute_and_moe_audited(run_dir: str) -> dict:
 
 @pytest.mark.dist
 def test_dpo_precompute_and_moe_collectives_get_gpu_tensors(pool2, tmp_path):
-    """Item 1: the precompute pass handed NCCL host tensors (the door refuses them). Item 8: no
+    """Item 1: the precompute pass handed NCCL host tensors (the door refuses them). Item 5: each
+    of its no-grad reference forwards is followed by TE's delayed-scaling update (a no-op but
+    under fp8_delayed with TE), which TE skips without grad. Item 8: no
     blocking host-to-device copy is made once per micro-batch (the MoE token count and DPO's
     stored reference rows were): with 4 micro-batches a step, no call site of ftcore's copies 4
     times (the step's own sums copy once or twice a step). megatron's router moves its weight
@@ -215,6 +232,7 @@ def test_dpo_precompute_and_moe_collectives_get_gpu_tensors(pool2, tmp_path):
     res = pool2.run(dpo_precompute_and_moe_audited, str(tmp_path))
     for r in res:
         assert torch.isfinite(torch.tensor([r["dpo"], r["moe"]])).all(), r
+        assert r["updates"] == r["reference forwards"] >= 12, r  # 24 pairs / 2 ranks
         for kind in ("dpo", "moe"):
             n = r[f"{kind}_microbatches"]
             assert n == 4, r
