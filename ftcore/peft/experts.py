@@ -10,8 +10,9 @@ etp > 1 the replicated factor sees only this rank's part of the product, so its 
 summed over the expert TP group (megatron's copy region on the weight: identity forward,
 all-reduce backward). Each adapter parameter carries the base weight's `allreduce` flag, so
 megatron's DDP reduces its gradient over the expert data-parallel group, as the base experts'
-would. The GPU spec's grouped experts (TEGroupedMLP) hold one weight per expert in a grouped
-GEMM; adapters there are refused before the build (peft/moe_format.py).
+would. On a GPU with Transformer Engine, targeting the experts builds them as SequentialMLP of TE
+linears (models/moe.py), which these wrap the same way; TE's grouped experts (TEGroupedMLP) would
+hold every expert's weight in one module.
 """
 
 from __future__ import annotations

@@ -125,3 +125,30 @@ def test_quantized_experts_get_the_router_padding_te_needs(monkeypatch, precisio
     counts = pad_routing_map(routing.clone(), get_fp8_align_size(Fp8Recipe(name))).sum(0).tolist()
     assert [(m + te_align - 1) // te_align * te_align for m in counts] == counts, counts
     assert sum(counts) > 600  # it did pad: 300 tokens x top-2 over 4 experts
+
+
+def test_expert_lora_keeps_te_with_one_module_per_expert(monkeypatch):
+    """Issue 50 item 13: the two Qwen3-MoE LoRA experiments set precision.te_layers=false so that
+    expert adapters had per-expert modules, which left TE for the whole model (attention on
+    ftcore's SDPA and CP path, priced as TE's). Now a GPU with TE builds megatron's TE spec with
+    SequentialMLP experts (moe_grouped_gemm off: one TE linear per expert, megatron's
+    TESpecProvider.grouped_mlp_modules) when the experts are targeted, grouped experts otherwise;
+    TE's fused permutation either way."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from ftcore.precision import recipes
+
+    monkeypatch.setattr(recipes, "use_te", lambda cfg: True)  # a GPU with TE (none here)
+    asked = []
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec",
+                        lambda **kw: asked.append(kw) or "TE spec")  # fmt: skip
+    for targets, grouped in (("[q_proj,gate_proj,up_proj,down_proj]", False), ("[q_proj]", True)):
+        cfg = compose(MOE + ["peft=lora", f"peft.target_modules={targets}"])
+        kw = moe.transformer_kwargs(cfg, on_cpu=False)
+        assert kw["moe_grouped_gemm"] is grouped and kw["moe_permute_fusion"], targets
+        assert moe.moe_layer_spec(cfg, None, on_cpu=False) == "TE spec"
+        assert asked[-1]["moe_grouped_gemm"] is grouped
+    for exp in ("qwen3_30b_a3b_lora", "qwen3_235b_a22b_lora"):
+        cfg = compose([f"+exp={exp}"])
+        assert cfg.precision.te_layers and moe.expert_adapters(cfg), exp
+        assert not moe.transformer_kwargs(cfg, on_cpu=False)["moe_grouped_gemm"]
