@@ -27,7 +27,8 @@ torch refuses (the CPU path's p2p is unbatched).
 
 It also records each blocking host-to-device copy (`blocking_copies()`): `.to(cuda)`, `.cuda()` or
 `copy_` of a host tensor into a CUDA one without `non_blocking=True`, and a CUDA tensor made from
-Python data (`torch.tensor(values, device="cuda")`), each a host sync on a GPU
+Python data (`torch.tensor(values, device="cuda")`, `cuda_tensor.new_tensor(values)`), each a host
+sync on a GPU
 (tests/unit/training/test_host_sync.py's rule; tests/gpu/test_host_sync.py counts the real ones).
 
 The mode replaces the CPU runtime's CUDA-to-CPU rewriting (`cpu.device_mode` and
@@ -206,6 +207,10 @@ def _blocking_h2d(func, args, kwargs) -> bool:
     if func in (torch.tensor, torch.as_tensor) and _is_cuda(kwargs.get("device")):
         data = args[0] if args else kwargs.get("data")  # Python data, or a host tensor
         return not isinstance(data, torch.Tensor) or is_host(data)
+    if func is torch.Tensor.new_tensor:  # Python data onto the tensor's device, unless one named
+        data, device = args[1], kwargs.get("device")
+        onto_cuda = _is_cuda(device) if device is not None else not is_host(args[0])
+        return onto_cuda and (not isinstance(data, torch.Tensor) or is_host(data))
     return False
 
 

@@ -152,7 +152,8 @@ def _policy_loss(obj, store: dict, whole, mb, vocab_size: int, rows):
             first = ps.get_context_parallel_rank() == 0  # the CP ranks hold the same sums
             pairs = len(losses) if first else 0
             stats = torch.cat([
-                torch.stack([losses.detach().sum(), losses.new_tensor(float(pairs)),
+                # new_full fills on the device; new_tensor would copy from the host and wait
+                torch.stack([losses.detach().sum(), losses.new_full((), float(pairs)),
                              counts.sum()]),
                 preference.metric_sums(obj, sums, ref),
             ]) * float(first)  # fmt: skip
