@@ -33,8 +33,10 @@ def expert_adapters(cfg: DictConfig) -> bool:
     """LoRA on the experts' linears: they are built one module per expert (SequentialMLP)."""
     peft = cfg.get("peft") or {}
     targets = {str(t) for t in peft.get("target_modules") or ()}
-    return is_moe(cfg.model) and peft.get("name", "none") != "none" and bool(
-        targets & set(EXPERT_TARGETS)
+    return (
+        is_moe(cfg.model)
+        and peft.get("name", "none") != "none"
+        and bool(targets & set(EXPERT_TARGETS))
     )
 
 

@@ -17,8 +17,8 @@ pairs' token ids, the model and reference settings) is this run's; otherwise the
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,8 @@ from megatron.core import parallel_state as ps
 from omegaconf import OmegaConf
 
 from ftcore.data.pipeline import assemble
-from ftcore.runtime import collectives
+from ftcore.errors import FtcoreError
+from ftcore.runtime import collectives, safe_files
 from ftcore.runtime import dist as rdist
 from ftcore.training.step import is_loss_rank, schedule
 
@@ -108,8 +109,8 @@ def _load(path: Path, key: str) -> dict | None:
     if not path.is_file():
         return None
     try:
-        got = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - a damaged file is recomputed, not trusted
+        got = safe_files.torch_load(path, "objective.precompute_ref", root=path.parent)
+    except FtcoreError as e:  # a damaged file is recomputed, not trusted
         log.warning("precompute_ref: %s is unreadable (%s): computing it again", path, e)
         return None
     if not isinstance(got, dict) or got.get("version") != VERSION or got.get("key") != key:
@@ -161,9 +162,9 @@ def save(state) -> None:
     if dist.get_rank() == 0:
         path = Path(state.run_dir, FILE)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{FILE}.tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        safe_files.write_atomic(path, buf.getvalue())  # .reference_logps.pt.tmp: never a link
     collectives.barrier()
 
 
