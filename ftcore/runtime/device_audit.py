@@ -67,7 +67,7 @@ _copies: list[str] = []  # call sites of blocking host-to-device copies, in orde
 _placed: dict[int, StorageWeakRef] = {}
 _DEVICE_GET = torch.Tensor.device.__get__
 _TORCH = os.sep + "torch" + os.sep
-_SKIP = ("device_audit.py", os.sep + "runtime" + os.sep + "cpu.py")
+_SKIP = tuple(os.sep + os.path.join("runtime", n) for n in ("device_audit.py", "cpu.py"))
 _TENSOR_COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
     "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single",

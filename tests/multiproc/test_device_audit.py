@@ -239,3 +239,63 @@ def test_dpo_precompute_and_moe_collectives_get_gpu_tensors(pool2, tmp_path):
             per_microbatch = {site: k for site, k in r[f"{kind}_copies"].items()
                               if k >= n and site.startswith(own)}  # fmt: skip
             assert not per_microbatch, (kind, per_microbatch)
+
+
+def door_case() -> dict:
+    """Worker: what the collectives door (runtime/collectives.py) refuses, outside and inside the
+    device audit."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from ftcore.runtime import collectives, device_audit
+    from ftcore.runtime.dist import comm_device
+
+    def refused(fn) -> str | None:
+        try:
+            fn()
+        except collectives.HostTensorInCollective as e:
+            return str(e)
+        return None
+
+    world = dist.get_world_size()
+    out = {"cpu run": refused(lambda: collectives.all_reduce(torch.ones(2)))}
+    with device_audit.shadow_devices():
+        ps.initialize_model_parallel(create_gloo_process_groups=True)
+        tp, dp_gloo = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group_gloo()
+        on_gpu = lambda: torch.zeros(2, device=comm_device())  # noqa: E731
+        out.update({
+            "host, default group": refused(lambda: collectives.all_reduce(torch.tensor([1.0]))),
+            "host, tp group": refused(lambda: collectives.all_reduce(torch.zeros(2), group=tp)),
+            "host, dp gloo group": refused(lambda: collectives.all_reduce(torch.zeros(2), group=dp_gloo)),
+            "device, default group": refused(lambda: collectives.all_reduce(on_gpu())),
+            "host output of a gather": refused(lambda: collectives.all_gather([torch.zeros(2)] * world, on_gpu())),
+            "host, broadcast": refused(lambda: collectives.broadcast(torch.zeros(2).cpu(), src=0)),
+            "object with a device tensor": refused(lambda: collectives.all_gather_object([None] * world, {"w": [on_gpu()]})),
+            "object with a host tensor": refused(lambda: collectives.all_gather_object([None] * world, {"w": on_gpu().cpu()})),
+        })  # fmt: skip
+        ranks = list(range(world))
+        gloo, plain = collectives.new_group(ranks, backend="gloo"), collectives.new_group(ranks)
+        out["backends"] = {name: collectives.gpu_backend(g) for name, g in
+                           [("default", None), ("tp", tp), ("dp gloo", dp_gloo), ("new gloo", gloo),
+                            ("new", plain)]}  # fmt: skip
+    return out
+
+
+@pytest.mark.dist
+def test_the_door_refuses_a_host_tensor_where_nccl_would_be_used(pool2):
+    """Issue 50: the collectives door (runtime/collectives.py), on 2 ranks: where the GPU path uses
+    NCCL (the default group, megatron's TP group) a host tensor is refused, naming the call and
+    the fix; megatron's gloo groups take it; an object holding a device tensor is refused."""
+    out = pool2.run(door_case)[0]
+    assert out.pop("backends") == {"default": "nccl", "tp": "nccl", "dp gloo": "gloo",
+                                   "new gloo": "gloo", "new": "nccl"}  # fmt: skip
+    refused = {k for k, v in out.items() if v}
+    assert refused == {"host, default group", "host, tp group", "host output of a gather",
+                       "host, broadcast", "object with a device tensor"}, out  # fmt: skip
+    msg = out["host, default group"]
+    assert msg.startswith("all_reduce on a nccl group got a host tensor (1,)") and "Fix:" in msg
+    assert "comm_device()" in msg and "test_device_audit.py" in msg  # where it was made
+    assert (
+        "all_gather_object" in out["object with a device tensor"]
+        and ".cpu()" in out["object with a device tensor"]
+    )

@@ -187,10 +187,10 @@ def adapters_off_case(run_dir: str) -> dict:
 
 
 @pytest.mark.dist
-def test_adapters_off_switches_off_expert_and_router_adapters(pool1, tmp_path):
+def test_adapters_off_switches_off_expert_and_router_adapters(pool2, tmp_path):
     """DPO's reference with the adapters off (peft/reference.py): expert and router adapters ran
     on regardless (latent: DPO on a MoE model is refused today)."""
-    r = pool1.run(adapters_off_case, str(tmp_path))[0]
+    r = pool2.run(adapters_off_case, str(tmp_path))[0]  # ep=1, dp=2
     assert not torch.allclose(r["adapted"], r["base"])  # the adapters change the logits
     # the same up to summation order (the CPU's fused LoRA linear adds its zero product in one GEMM)
     torch.testing.assert_close(r["off"], r["base"], rtol=1e-5, atol=1e-5)

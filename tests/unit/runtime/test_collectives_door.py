@@ -4,7 +4,8 @@ form it can take), and the door refusing, on the CPU, a host tensor where a GPU 
 
 On the CPU every group is gloo and every tensor a host tensor, so the door sees the device the GPU
 path would give a tensor only inside the device audit (runtime/device_audit.py), as a CPU test
-runs it; outside it a CPU run checks nothing (nothing there is wrong for gloo)."""
+runs it; outside it a CPU run checks nothing (nothing there is wrong for gloo). The door's refusals
+run in tests/multiproc/test_device_audit.py (its process pool)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import ast
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -117,56 +117,3 @@ def test_a_planted_direct_call_is_found(form):
 
 def test_queries_and_the_door_are_allowed():
     assert direct_collectives(ALLOWED) == []
-
-
-def door_case() -> dict:
-    """Worker: what the door refuses, outside and inside the device audit."""
-    from megatron.core import parallel_state as ps
-
-    from ftcore.runtime import collectives, device_audit
-    from ftcore.runtime.dist import comm_device
-
-    def refused(fn) -> str | None:
-        try:
-            fn()
-        except collectives.HostTensorInCollective as e:
-            return str(e)
-        return None
-
-    out = {"cpu run": refused(lambda: collectives.all_reduce(torch.ones(2)))}
-    with device_audit.shadow_devices():
-        ps.initialize_model_parallel(create_gloo_process_groups=True)
-        tp, dp_gloo = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group_gloo()
-        on_gpu = lambda: torch.zeros(2, device=comm_device())  # noqa: E731
-        out.update({
-            "host, default group": refused(lambda: collectives.all_reduce(torch.tensor([1.0]))),
-            "host, tp group": refused(lambda: collectives.all_reduce(torch.zeros(2), group=tp)),
-            "host, dp gloo group": refused(lambda: collectives.all_reduce(torch.zeros(2), group=dp_gloo)),
-            "device, default group": refused(lambda: collectives.all_reduce(on_gpu())),
-            "host output of a gather": refused(lambda: collectives.all_gather([torch.zeros(2)], on_gpu())),
-            "host, broadcast": refused(lambda: collectives.broadcast(torch.zeros(2).cpu(), src=0)),
-            "object with a device tensor": refused(lambda: collectives.all_gather_object([None], {"w": [on_gpu()]})),
-            "object with a host tensor": refused(lambda: collectives.all_gather_object([None], {"w": on_gpu().cpu()})),
-        })  # fmt: skip
-        gloo, plain = collectives.new_group([0], backend="gloo"), collectives.new_group([0])
-        out["backends"] = {name: collectives.gpu_backend(g) for name, g in
-                           [("default", None), ("tp", tp), ("dp gloo", dp_gloo), ("new gloo", gloo),
-                            ("new", plain)]}  # fmt: skip
-    return out
-
-
-@pytest.mark.dist
-def test_the_door_refuses_a_host_tensor_where_nccl_would_be_used(pool1):
-    out = pool1.run(door_case)[0]
-    assert out.pop("backends") == {"default": "nccl", "tp": "nccl", "dp gloo": "gloo",
-                                   "new gloo": "gloo", "new": "nccl"}  # fmt: skip
-    refused = {k for k, v in out.items() if v}
-    assert refused == {"host, default group", "host, tp group", "host output of a gather",
-                       "host, broadcast", "object with a device tensor"}, out  # fmt: skip
-    msg = out["host, default group"]
-    assert msg.startswith("all_reduce on a nccl group got a host tensor (1,)") and "Fix:" in msg
-    assert "comm_device()" in msg and "test_collectives_door.py" in msg  # where it was made
-    assert (
-        "all_gather_object" in out["object with a device tensor"]
-        and ".cpu()" in out["object with a device tensor"]
-    )
