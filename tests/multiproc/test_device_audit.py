@@ -7,7 +7,8 @@ a TP=2/PP=2 LoRA job with SP (setup's parameter count, train steps, an evaluatio
 generation across 4 ranks, the adapter gather, the HF export's weight gathers); a DP=2 job with the
 distributed optimizer stopped by a stop file (the stop check, the loss/token sums, the checkpoint
 save); a DP=2 full fine-tuning job with the distributed optimizer (a step, an evaluation, the
-end-of-run HF export)."""
+end-of-run HF export); issue 50: LoRA DPO with precompute_ref and an ep=2 MoE step (and the
+blocking host-to-device copies of their steps), and the collectives door's own refusals."""
 
 from __future__ import annotations
 
