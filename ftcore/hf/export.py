@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ftcore.hf import mappings
+from ftcore.hf import carried, mappings
 from ftcore.hf.config import hf_config_dict
 from ftcore.hf.io import INDEX, StreamWriter
 from ftcore.models.sharding import is_expert
@@ -41,14 +41,13 @@ class ShardFile:
 
 
 def plan_files(s: mappings.Shapes, dtype: torch.dtype, owner: Callable[[str], int],
-               max_bytes: float) -> list[ShardFile]:  # fmt: skip
-    """HF tensors in order, cut into files at max_bytes and wherever the writing rank changes."""
+               max_bytes: float, extra=()) -> list[ShardFile]:  # fmt: skip
+    """HF tensors in order, cut into files at max_bytes and wherever the writing rank changes;
+    then `extra` (name, dtype, shape), written by rank 0 (hf/carried.py: MTP layers)."""
     files: list[ShardFile] = []
-    size = torch.empty((), dtype=dtype).element_size()
-    for name in mappings.hf_names(s):
-        shape = mappings.hf_shape(name, s)
-        n = torch.Size(shape).numel() * size
-        who = owner(name)
+    planned = [(n, dtype, mappings.hf_shape(n, s), owner(n)) for n in mappings.hf_names(s)]
+    for name, dtype, shape, who in planned + [(n, d, sh, 0) for n, d, sh in extra]:
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         if (
             not files
             or files[-1].owner != who
@@ -90,8 +89,10 @@ def write_metadata(out: Path, model_cfg, dtype: torch.dtype, tokenizer_dir: str 
 
 
 def write_tensors(out: Path, files: list[ShardFile], mine: Iterable[tuple[str, torch.Tensor]],
-                  s: mappings.Shapes, rank: int, transform: Transform | None = None) -> None:  # fmt: skip
-    """Write this rank's files from (global name, full megatron tensor) pairs, one at a time."""
+                  s: mappings.Shapes, rank: int, transform: Transform | None = None,
+                  carried: Iterable[tuple[str, torch.Tensor]] = ()) -> None:  # fmt: skip
+    """Write this rank's files from (global name, full megatron tensor) pairs, one at a time, then
+    the `carried` HF tensors as they are (rank 0: hf/carried.py)."""
     where = {name: f for f in files for name, _, _ in f.entries}
     writers = {f.name: StreamWriter(out / f.name, f.entries) for f in files if f.owner == rank}
     try:
@@ -102,6 +103,8 @@ def write_tensors(out: Path, files: list[ShardFile], mine: Iterable[tuple[str, t
             for hf, t in mappings.to_hf(mp, full, s).items():
                 writers[where[hf].name].add(hf, t)
             del full
+        for hf, t in carried:
+            writers[where[hf].name].add(hf, t)
         for w in writers.values():
             w.close()
     finally:
@@ -142,7 +145,7 @@ def write_hf_model(
     from megatron.core import parallel_state as ps
 
     from ftcore.data.tokenizer import tokenizer_source
-    from ftcore.models.sharding import iter_params, join_shards, shard_info
+    from ftcore.models.sharding import iter_weights, join_shards, shard_info
     from ftcore.runtime import dist as rdist
 
     cfg = state.cfg
@@ -150,7 +153,7 @@ def write_hf_model(
     tmp = out.with_name("." + out.name + ".tmp")
     rank = dist.get_rank() if dist.is_initialized() else 0
     s = mappings.Shapes.from_cfg(cfg.model)
-    params = [(n, p) for n, p in iter_params(state.model)]
+    params = [(n, p) for n, p in iter_weights(state.model)]
     names = exported_names([n for n, _ in params], s.tie)
     dtype = DTYPES[cfg.export.dtype] if cfg.export.get("dtype") else params[0][1].dtype
     tp, etp = ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
@@ -162,7 +165,10 @@ def write_hf_model(
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, produced)
     owners = {h: r for r, hs in enumerate(gathered) for h in hs}
-    files = plan_files(s, dtype, lambda h: owners[h], cfg.export.max_shard_gb * 1e9)
+    origin = carried.source(cfg.model)  # every rank plans the same files from the same headers
+    kept = carried.carried_names(origin, s.layers)
+    files = plan_files(s, dtype, lambda h: owners[h], cfg.export.max_shard_gb * 1e9,
+                       carried.entries(origin, kept))  # fmt: skip
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -185,7 +191,8 @@ def write_hf_model(
             if _writes(name, ranks):
                 yield name, data
 
-    write_tensors(tmp, files, full_tensors(), s, rank, transform)  # no files: only the gathers
+    copies = ((n, carried.read(origin, n)) for n in kept) if rank == 0 else ()
+    write_tensors(tmp, files, full_tensors(), s, rank, transform, copies)  # no files: the gathers
     _barrier()
     if rank == 0:
         src, _ = tokenizer_source(cfg)
@@ -220,12 +227,15 @@ def export_checkpoint(step_dir: str | Path, run_cfg, out: str | Path, *, dtype: 
                           "its config.yaml", field="export.checkpoint",
                           fix="export a checkpoint of this run (or its run.dir's config.yaml unchanged)")  # fmt: skip
     torch_dtype = DTYPES[dtype] if dtype else reader.meta(names[0])[1]
-    files = plan_files(s, torch_dtype, lambda h: 0, max_shard_gb * 1e9)
+    origin = carried.source(run_cfg.model)
+    kept = carried.carried_names(origin, s.layers)
+    files = plan_files(s, torch_dtype, lambda h: 0, max_shard_gb * 1e9, carried.entries(origin, kept))
     out = Path(out)
     tmp = out.with_name("." + out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    write_tensors(tmp, files, ((n, reader.read(n)) for n in names), s, 0, transform)
+    write_tensors(tmp, files, ((n, reader.read(n)) for n in names), s, 0, transform,
+                  ((n, carried.read(origin, n)) for n in kept))  # fmt: skip
     src, _ = tokenizer_source(run_cfg)
     write_metadata(tmp, run_cfg.model, torch_dtype, src)
     write_index(tmp, files)
@@ -234,20 +244,32 @@ def export_checkpoint(step_dir: str | Path, run_cfg, out: str | Path, *, dtype: 
     return out
 
 
+def _attention_names(s: mappings.Shapes, a: str) -> list[str]:
+    """A layer's attention parameters (local-spec names) under prefix `a`."""
+    if s.mla:
+        q = ["linear_q_down_proj", "q_layernorm", "linear_q_up_proj"] if s.q_lora else ["linear_q_proj"]
+        q += ["linear_kv_down_proj", "kv_layernorm", "linear_kv_up_proj"]
+        return [a + x + ".weight" for x in q]
+    names = [a + "linear_qkv.weight"] + ([a + "linear_qkv.bias"] if s.qkv_bias else [])
+    return names + ([a + "q_layernorm.weight", a + "k_layernorm.weight"] if s.qk_norm else [])
+
+
 def _global_names(s: mappings.Shapes) -> list[str]:
-    """Every megatron parameter of the model (local-spec names), in model order."""
+    """Every megatron parameter of the model (local-spec names; the router's expert bias, a
+    buffer, too), in model order."""
     names = ["embedding.word_embeddings.weight"]
     for i in range(s.layers):
         p, a = f"decoder.layers.{i}.", f"decoder.layers.{i}.self_attention."
-        names += [p + "input_layernorm.weight", a + "linear_qkv.weight"]
-        names += [a + "linear_qkv.bias"] if s.qkv_bias else []
-        names += [a + "q_layernorm.weight", a + "k_layernorm.weight"] if s.qk_norm else []
+        names += [p + "input_layernorm.weight", *_attention_names(s, a)]
         names += [a + "linear_proj.weight", p + "pre_mlp_layernorm.weight"]
         if s.sparse(i):  # a MoE layer: its router and every expert, by global index
             x = p + "mlp.experts.local_experts."
             names.append(p + "mlp.router.weight")
+            names += [p + "mlp.router.expert_bias"] if s.expert_bias else []
             for e in range(s.experts):
                 names += [f"{x}{e}.linear_fc1.weight", f"{x}{e}.linear_fc2.weight"]
+            if s.shared_ffn:
+                names += [p + f"mlp.shared_experts.linear_fc{k}.weight" for k in (1, 2)]
         else:
             names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
     return names + ["decoder.final_layernorm.weight", "output_layer.weight"]

@@ -24,7 +24,8 @@ from ftcore.hf import fused_experts, mappings
 
 log = logging.getLogger("ftcore")
 INDEX = "model.safetensors.index.json"
-DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+          "F8_E4M3": torch.float8_e4m3fn}  # fmt: skip
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100_000_000  # bytes: safetensors' own bound on a header (100 MB)
 
@@ -204,14 +205,14 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
     (models/nf4.py), so a rank holds the NF4 base and one full-precision shard at a time."""
     from megatron.core import parallel_state as ps
 
-    from ftcore.models.sharding import is_expert, iter_params, shard_info, tp_of
+    from ftcore.models.sharding import is_expert, iter_weights, shard_info, tp_of
 
     root, field = weights_source(cfg)
     st = SafetensorsDir(root, field)
     shapes = mappings.Shapes.from_cfg(cfg.model)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     st.check_all(shapes)
-    for name, p in list(iter_params(chunks)):  # a list: QLoRA's take_whole swaps parameters
+    for name, p in list(iter_weights(chunks)):  # a list: QLoRA's take_whole swaps parameters
         mp = mappings.resolve(name, shapes.tie, shapes)
         if mp is None:
             raise FtcoreError(f"parameter {name} has no Hugging Face counterpart", field=field,
