@@ -73,3 +73,45 @@ def test_one_process_eval_and_export(case, pool1, built, tmp_path):
     res = pool1.run(load_case, ref["path"], str(tmp_path), [], ref["x"], ref["data"], export=True)
     check_against_hf(res, ref, f"{case} 1 process", RTOL)
     _bit_identical(tmp_path / "hf_model", ref, f"{case} 1 process")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ["deepseek_v3", "glm4_moe"])
+def test_ep2_eval_and_export(case, pool2, built, tmp_path):
+    """Also a checkpoint of ep=2 (each EP rank saving its experts, the expert bias in the
+    router's state) exported in one process (`python -m ftcore.export`), bit-identical too."""
+    from ftcore.export import resolve_step_dir, run_config
+    from ftcore.hf.export import export_checkpoint
+
+    ref = built(case)
+    res = pool2.run(load_case, ref["path"], str(tmp_path), ["parallel.ep=2"], ref["x"], ref["data"],
+                    export=True, save=True)  # fmt: skip
+    check_against_hf(res, ref, f"{case} ep2", RTOL)
+    _bit_identical(tmp_path / "hf_model", ref, f"{case} ep2")
+    step = resolve_step_dir(str(tmp_path))
+    out = export_checkpoint(step, run_config(step), tmp_path / "exported", max_shard_gb=0.0002)
+    _bit_identical(out, ref, f"{case} ep2 checkpoint")
+
+
+LAYOUTS = {"ep2_tp2": ["parallel.ep=2", "parallel.tp=2"], "ep2_pp2": ["parallel.ep=2", "parallel.pp=2"],
+           "tp2": ["parallel.tp=2"]}  # fmt: skip
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "case,layout",
+    [("deepseek_v3", "ep2_tp2"), ("deepseek_v3", "ep2_pp2"), ("glm4_moe", "ep2_tp2"),
+     ("glm4_moe", "ep2_pp2"), ("deepseek_v3_no_q_lora", "tp2")],
+)  # fmt: skip
+def test_layouts_eval(case, layout, pool4, built, tmp_path):
+    """TP splits MLA's heads (q_b or q_proj, kv_b, o_proj by head; the down projections by rows,
+    gathered); each rank reads only its own experts' tensors (EP rank r: experts 4r .. 4r+3)."""
+    from tests.multiproc.test_moe_families import reads_case
+
+    ref = built(case)
+    res = pool4.run(reads_case, ref["path"], str(tmp_path), LAYOUTS[layout], ref["x"], ref["data"])
+    check_against_hf(res, ref, f"{case} {layout}", RTOL)
+    per = 8 // (2 if "ep2" in layout else 1)
+    for r in res:
+        want = set(range(per * r["ep_rank"], per * r["ep_rank"] + per))
+        assert r["experts"] == want, (r["rank"], r["experts"])
