@@ -92,6 +92,22 @@ class Router(TopKRouter):
         return probs, routing_map
 
 
+def remember_bias(chunks: list) -> None:
+    """Note each router's expert bias as loaded (the published one), for `bias_shift`."""
+    for r in routers(chunks):
+        if r.expert_bias is not None:
+            r.ftcore_bias0 = r.expert_bias.detach().clone()
+
+
+def bias_shift(r: Router) -> torch.Tensor:
+    """The largest |expert bias - as loaded| of a router (0 without an expert bias); megatron
+    moves it in finalize_model_grads by moe_router_bias_update_rate per step."""
+    b0 = getattr(r, "ftcore_bias0", None)
+    if r.expert_bias is None or b0 is None:
+        return torch.zeros(())
+    return (r.expert_bias.detach().float() - b0.float()).abs().max()
+
+
 def install(chunks: list) -> list[Router]:
     """Make every top-k router of the chunks an ftcore Router (same parameters and state)."""
     routers = []
