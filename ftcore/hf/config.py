@@ -200,7 +200,8 @@ def _attention_fields(hf: dict, family: str) -> dict:
     """MLA's shapes (DeepSeek-V3), GLM-4.5's partial rotary, biases and q/k norms, and the count of
     multi-token-prediction layers (carried into the export, not built)."""
     out: dict = {"rotary_percent": partial_rotary(hf, family),
-                 "mtp_layers": int(hf.get("num_nextn_predict_layers") or 0)}  # fmt: skip
+                 "mtp_layers": int(hf.get("num_nextn_predict_layers") or 0),
+                 "qkv_bias": None, "qk_layernorm": None, **dict.fromkeys(MLA_FIELDS)}  # fmt: skip
     if FAMILIES[family].mla:
         mla = {k: value(hf, family, k) for k in MLA_FIELDS}
         out.update({k: None if v is None else int(v) for k, v in mla.items()})

@@ -158,13 +158,15 @@ def _biased_fields(hf: dict, family: str, num_layers: int) -> dict:
 
 def moe_fields(hf: dict, family: str, num_layers: int) -> dict:
     """The model's MoE keys from config.json (dense families: num_experts None)."""
+    plain = {"moe_shared_expert_ffn_hidden_size": None, "moe_router_score_function": "softmax",
+             "moe_router_expert_bias": False, "moe_router_num_groups": None,
+             "moe_router_group_topk": None, "moe_router_topk_scaling_factor": 1.0}  # fmt: skip
     if family not in MOE_FAMILIES:
-        return {"num_experts": None, "moe_ffn_hidden_size": None, "moe_dense_layers": []}
-    out = (
-        _biased_fields(hf, family, num_layers)
-        if family in BIASED
-        else _plain_fields(hf, family, num_layers)
-    )
+        return {"num_experts": None, "moe_ffn_hidden_size": None, "moe_dense_layers": [], **plain}
+    if family in BIASED:
+        out = _biased_fields(hf, family, num_layers)
+    else:
+        out = {**plain, **_plain_fields(hf, family, num_layers)}
     if out["moe_router_topk"] > out["num_experts"]:
         raise FtcoreError(f"num_experts_per_tok={out['moe_router_topk']} > {out['num_experts']} "
                           "experts", field="model.hf_path",
