@@ -8,6 +8,15 @@ rotary part (transformers' rope_interleave, megatron's MLA de-interleave), softm
 mscale(factor, mscale_all_dim)^2 / sqrt(nope + rope) under YaRN. megatron's local core attention
 takes no separate key and value widths, so the CPU path runs ftcore's SdpaAttention, which does.
 
+The local spec (CPU) computes the two down projections (q_a, kv_a_proj_with_mqa) whole on every
+TP rank, as TE's spec does ("duplicated"), not column-parallel as megatron's local spec has them:
+there the shared rotary key is cut from a TP-gathered output and, full-length on every rank, gets
+only that rank's heads' gradient back (megatron's gather's backward splits without summing), so
+training at tp > 1 would drift (found by tests/multiproc/test_deepseek_parity.py at ep=2 x tp=2).
+Replicated, under sequence parallelism each rank projects its own tokens, the rotary key is
+gathered over the sequence (its backward sums the heads' gradients) and megatron sums the weights'
+gradients over TP (`sequence_parallel`). Training at tp > 1 needs SP (MoE does anyway).
+
 transformers builds the two latent norms with eps 1e-6 whatever `rms_norm_eps` says; the local
 spec does the same (`LatentNorm`). TE's spec fuses them into the up projections with the model's
 eps (the same for DeepSeek-V3 and Kimi-K2, whose rms_norm_eps is 1e-6).
@@ -73,10 +82,28 @@ def without_te() -> None:
         mod.HAVE_TE = False
 
 
+def cp_angles_on_cpu() -> None:
+    """YaRN's rotary module takes this CP rank's angles with megatron's rope_utils function,
+    which copies its index through pinned memory (no pinned memory without CUDA): ftcore's own
+    (models/rope.py), the same angles, as rope.install does for standard attention. Before the
+    build: the module computes its angles when built."""
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+
+    from ftcore.models import rope
+
+    yarn.get_pos_emb_on_this_cp_rank = rope.pos_emb_on_this_cp_rank
+
+
 def local_spec(spec, norm, core_attention):
-    """megatron's local MLA layer spec with ftcore's norms (SP-capable) and SDPA attention."""
+    """megatron's local MLA layer spec with ftcore's norms (SP-capable), SDPA attention and the
+    down projections replicated (module docstring)."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
     without_te()
+    cp_angles_on_cpu()
     attn = spec.submodules.self_attention.submodules
+    attn.linear_q_down_proj = Linear
+    attn.linear_kv_down_proj = Linear
     attn.q_layernorm = LatentNorm
     attn.kv_layernorm = LatentNorm
     attn.core_attention = core_attention

@@ -82,6 +82,16 @@ class Router(TopKRouter):
         self._stats(logits.device)[Z] += weighted.detach()
         return MoEAuxLossAutoScaler.apply(logits, weighted * scale)
 
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        """megatron 0.16.1's count for the expert-bias update, with the padding mask ([tokens],
+        True = padding) broadcast over the experts: megatron's `routing_map & ~padding_mask`
+        raises for [tokens, experts] & [tokens] (docs/deepseek.md)."""
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
     def routing(self, logits, padding_mask=None):
         probs, routing_map = super().routing(logits, padding_mask)
         if self.training and torch.is_grad_enabled():  # once per micro-batch, recompute or not

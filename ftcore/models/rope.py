@@ -73,14 +73,19 @@ def angles_at(positions: torch.Tensor | None):
         yield
         return
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,  # MLA's (models/mla.py): a cache of its own
+    )
 
     _positions[0] = positions
     RotaryEmbedding.forward.cache_clear()
+    YarnRotaryEmbedding.forward.cache_clear()
     try:
         yield
     finally:
         _positions[0] = None
         RotaryEmbedding.forward.cache_clear()
+        YarnRotaryEmbedding.forward.cache_clear()
 
 
 def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
