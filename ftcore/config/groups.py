@@ -110,6 +110,9 @@ class ModelConfig:
     qk_nope_head_dim: Optional[int] = None
     qk_rope_head_dim: Optional[int] = None
     v_head_dim: Optional[int] = None
+    # the checkpoint's FP8 weight block (quantization_config.weight_block_size, [128, 128] as
+    # DeepSeek publishes): its FP8 weights are read dequantized (docs/deepseek.md); null = not FP8
+    fp8_block: Optional[list[int]] = None
     # multi-token-prediction layers in the checkpoint (HF num_nextn_predict_layers): carried into
     # the export unchanged, never built or trained
     mtp_layers: int = 0

@@ -90,6 +90,7 @@ RANGES: dict[str, Range] = {
     "model.qk_rope_head_dim": AT_LEAST_1,
     "model.v_head_dim": AT_LEAST_1,
     "model.mtp_layers": AT_LEAST_0,
+    "model.fp8_block.*": AT_LEAST_1,
     "parallel.tp": AT_LEAST_1,
     "parallel.pp": AT_LEAST_1,
     "parallel.vp": AT_LEAST_1,

@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from ftcore.config.families import BY_ARCHITECTURE, BY_MODEL_TYPE, FAMILIES, Family
 from ftcore.errors import FtcoreError
+from ftcore.hf import fp8
 from ftcore.hf.moe_config import check_moe_keys, moe_export_keys, moe_fields, value
 
 ARCHITECTURES = tuple(BY_ARCHITECTURE)
@@ -76,6 +77,7 @@ def _check_supported(hf: dict, f: Path, field: str) -> None:
             f"and shapes are mapped for {', '.join(ARCHITECTURES)} only",
             field=field, fix="use a dense checkpoint of one of those architectures",
         )  # fmt: skip
+    fp8.block_of(hf, str(f))  # another quantization is refused naming its key
     bad = []
     if hf.get("hidden_act", "silu") != "silu":
         bad.append(f"hidden_act={hf['hidden_act']}")
@@ -193,6 +195,7 @@ def model_fields(hf: dict, f: str = "config.json") -> dict:
     out.update(moe_fields(hf, out["family"], out["num_layers"]))
     out.update(_attention_fields(hf, out["family"]))
     out["rope_scaling"] = _scaling_fields(rope_scaling(hf), f)
+    out["fp8_block"] = fp8.block_of(hf, f)  # FP8 weights with block scales (hf/fp8.py)
     return out
 
 
@@ -291,6 +294,7 @@ def hf_config_dict(model_cfg, *, dtype: str, tokenizer=None) -> dict:
         except (OSError, ValueError):
             base = {}
     for key in (
+        "quantization_config",  # written for an FP8 export only (hf_config_dict's caller)
         "num_experts",  # MoE: moe_export_keys writes the published spelling
         "num_local_experts",
         "rope_parameters",

@@ -84,6 +84,14 @@ def write_merged_model(base_dir, adapter_dir, out_dir) -> Path:
     """base HF directory + PEFT adapter -> merged HF directory, one safetensors shard at a time.
     Config, index, tokenizer and other small files are copied unchanged."""
     base_dir, out_dir = Path(base_dir), Path(out_dir)
+    if any(f.name.endswith(".safetensors") for f in base_dir.glob("*.safetensors")) and (
+        (base_dir / "config.json").is_file()
+        and "quantization_config" in (base_dir / "config.json").read_text()
+    ):
+        raise FtcoreError(f"{base_dir} is a quantized (FP8) checkpoint: merging onto its files "
+                          "would add the adapter to quantized values", field="export.merge",
+                          fix="merge from the live run (its export reads the dequantized base: "
+                          "hf_model/ of a LoRA run), or onto a bf16 copy of the base")  # fmt: skip
     adapter_config, sd = read_adapter(adapter_dir)
     deltas = merge_deltas(adapter_config, sd)
     shards = sorted(base_dir.glob("*.safetensors"))

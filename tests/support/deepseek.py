@@ -115,3 +115,34 @@ def add_mtp_layer(path: Path, config) -> None:
     data = json.loads(index.read_text())
     data["weight_map"].update({k: MTP_SHARD for k in tensors})
     index.write_text(json.dumps(data, indent=2))
+
+
+def to_fp8(src: str | Path, out: str | Path, block=(8, 8)) -> Path:
+    """The checkpoint at `src` in DeepSeek's published FP8 format: every weight that format holds
+    in FP8 (hf/fp8.py `quantized`) as float8_e4m3fn with a float32 `weight_scale_inv` per block,
+    the expert bias in fp32, everything else in bf16, `quantization_config` in config.json. One
+    safetensors file."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from ftcore.hf import fp8
+    from tests.support.hf_helpers import read_hf_dir
+
+    src, out = Path(src), Path(out)
+    out.mkdir(parents=True)
+    tensors = {}
+    for name, t in read_hf_dir(src).items():
+        if fp8.quantized(name) and t.dim() == 2:
+            tensors[name], tensors[name + fp8.SCALE] = fp8.quantize(t, block)
+        else:
+            keep = name.endswith("e_score_correction_bias")
+            tensors[name] = t.float() if keep else t.to(torch.bfloat16)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, out / f.name)
+    config = json.loads((out / "config.json").read_text())
+    config.update(fp8.config_keys(block))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
