@@ -20,7 +20,8 @@ from omegaconf import DictConfig
 from ftcore.config.families import BY_ARCHITECTURE, BY_MODEL_TYPE, FAMILIES, Family
 from ftcore.errors import FtcoreError
 from ftcore.hf import fp8
-from ftcore.hf.moe_config import check_moe_keys, moe_export_keys, moe_fields, value
+from ftcore.hf.moe_config import check_moe_keys, moe_export_keys, moe_fields
+from ftcore.hf.moe_config import value as hf_value
 
 ARCHITECTURES = tuple(BY_ARCHITECTURE)
 ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -92,7 +93,7 @@ def _check_supported(hf: dict, f: Path, field: str) -> None:
         bad += _yarn_refused(rope)
     if partial_rotary(hf, fam.name) != 1.0 and fam.name != "glm4_moe":
         bad.append("partial_rotary_factor != 1")
-    if fam.mla and not value(hf, fam.name, "rope_interleave"):
+    if fam.mla and not hf_value(hf, fam.name, "rope_interleave"):
         bad.append("rope_interleave=false (megatron's MLA rotates interleaved pairs)")
     if bad:
         raise FtcoreError(f"{f}: unsupported {fam.architecture} variant ({', '.join(bad)})", field=field,
@@ -115,7 +116,7 @@ def partial_rotary(hf: dict, family: str | None = None) -> float:
     """The share of the head dim RoPE rotates (GLM-4.5: 0.5; top level or in rope_parameters)."""
     v = _rope_params(hf).get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if v is None:
-        v = value(hf, family, "partial_rotary_factor")
+        v = hf_value(hf, family, "partial_rotary_factor")
     return float(1.0 if v is None else v)
 
 
@@ -206,13 +207,13 @@ def _attention_fields(hf: dict, family: str) -> dict:
                  "mtp_layers": int(hf.get("num_nextn_predict_layers") or 0),
                  "qkv_bias": None, "qk_layernorm": None, **dict.fromkeys(MLA_FIELDS)}  # fmt: skip
     if FAMILIES[family].mla:
-        mla = {k: value(hf, family, k) for k in MLA_FIELDS}
+        mla = {k: hf_value(hf, family, k) for k in MLA_FIELDS}
         out.update({k: None if v is None else int(v) for k, v in mla.items()})
         out["kv_channels"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]  # q and k heads
         out["num_query_groups"] = int(hf["num_attention_heads"])  # MLA: one k/v per head
     if family == "glm4_moe":
-        out["qkv_bias"] = bool(value(hf, family, "attention_bias"))
-        out["qk_layernorm"] = bool(value(hf, family, "use_qk_norm"))
+        out["qkv_bias"] = bool(hf_value(hf, family, "attention_bias"))
+        out["qk_layernorm"] = bool(hf_value(hf, family, "use_qk_norm"))
     return out
 
 

@@ -57,7 +57,9 @@ def plan_files(s: mappings.Shapes, dtype: torch.dtype, owner: Callable[[str], in
     planned = [(_entries(n, mappings.hf_shape(n, s), dtype, block), owner(n))
                for n in mappings.hf_names(s)]  # fmt: skip
     for group, who in planned + [([e], 0) for e in extra]:
-        n = sum(torch.Size(sh).numel() * torch.empty((), dtype=d).element_size() for _, d, sh in group)
+        n = sum(
+            torch.Size(sh).numel() * torch.empty((), dtype=d).element_size() for _, d, sh in group
+        )
         if (
             not files
             or files[-1].owner != who
@@ -276,7 +278,11 @@ def export_checkpoint(step_dir: str | Path, run_cfg, out: str | Path, *, dtype: 
 def _attention_names(s: mappings.Shapes, a: str) -> list[str]:
     """A layer's attention parameters (local-spec names) under prefix `a`."""
     if s.mla:
-        q = ["linear_q_down_proj", "q_layernorm", "linear_q_up_proj"] if s.q_lora else ["linear_q_proj"]
+        q = (
+            ["linear_q_down_proj", "q_layernorm", "linear_q_up_proj"]
+            if s.q_lora
+            else ["linear_q_proj"]
+        )
         q += ["linear_kv_down_proj", "kv_layernorm", "linear_kv_up_proj"]
         return [a + x + ".weight" for x in q]
     names = [a + "linear_qkv.weight"] + ([a + "linear_qkv.bias"] if s.qkv_bias else [])

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 from omegaconf import DictConfig
 
 from ftcore.config.families import family

@@ -73,8 +73,9 @@ def biased_router_kwargs(cfg: DictConfig) -> dict:
     return dict(
         moe_shared_expert_intermediate_size=m.get("moe_shared_expert_ffn_hidden_size"),
         moe_router_enable_expert_bias=bool(m.get("moe_router_expert_bias")),
-        moe_router_bias_update_rate=float((cfg.get("moe") or {}).get("expert_bias_update_rate")
-                                          or 0.0),  # fmt: skip
+        moe_router_bias_update_rate=float(
+            (cfg.get("moe") or {}).get("expert_bias_update_rate") or 0.0
+        ),  # fmt: skip
         moe_router_num_groups=m.get("moe_router_num_groups"),
         moe_router_group_topk=m.get("moe_router_group_topk"),
         moe_router_topk_scaling_factor=None if scale == 1.0 else scale,

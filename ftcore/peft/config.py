@@ -159,7 +159,11 @@ def target_names(model_cfg=None) -> tuple[dict[str, str], tuple[str, ...]]:
 
     if model_cfg is None or not family(model_cfg).mla:
         return HF_NAMES, tuple(m for m in SLICES if m not in MLA_ONLY)
-    q = ("linear_q_down_proj", "linear_q_up_proj") if model_cfg.get("q_lora_rank") else ("linear_q_proj",)
+    q = (
+        ("linear_q_down_proj", "linear_q_up_proj")
+        if model_cfg.get("q_lora_rank")
+        else ("linear_q_proj",)
+    )
     linears = (*q, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj", "linear_fc1",
                "linear_fc2", "router")  # fmt: skip
     return {hf: lin for hf, lin in MLA_HF_NAMES.items() if lin in linears}, linears

@@ -119,7 +119,12 @@ def reference_forwards(cfg) -> int:
 def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
     m, p, pr = cfg.model, cfg.parallel, cfg.precision
     d = m.kv_channels or m.hidden_size // m.num_attention_heads
-    q, kv, groups, latent = m.num_attention_heads * d, m.num_query_groups * d, m.num_query_groups, {}
+    q, kv, groups, latent = (
+        m.num_attention_heads * d,
+        m.num_query_groups * d,
+        m.num_query_groups,
+        {},
+    )
     if mla.is_mla(m):  # q and k heads of nope + rope, v heads of v: kv is half of k + v
         qk, v = mla.head_dims(m)
         d, groups = qk, m.num_attention_heads
@@ -220,7 +225,9 @@ def moe_parts(sh: Shape) -> dict[str, int]:
     T, sf = sh.tokens, sh.shared_f // sh.tp  # the shared experts: a dense MLP of their width
     keeps = sh.full or "linear_fc1" in sh.targets
     return {
-        "shared": (T * sh.hs * lin_b if keeps else 0) + 3 * T * sf * ab + T * sf * lin_b if sf else 0,
+        "shared": (T * sh.hs * lin_b if keeps else 0) + 3 * T * sf * ab + T * sf * lin_b
+        if sf
+        else 0,
         "mlp_norm": tm * h * ab + tm * 4,
         "router": tm * h * 4 + tm * k * (8 + 4) + tm * e * (1 + 4) + tm * k * 8,
         "fc1": round(r * h * lin_b) if sh.full or "linear_fc1" in sh.targets else 0,

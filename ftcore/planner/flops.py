@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from ftcore.planner import mla
 from ftcore.planner.activations import (
     MLP_LINEARS,
     moe_tokens,
@@ -26,7 +27,6 @@ from ftcore.planner.activations import (
     rows_per_item,
     shape_of,
 )
-from ftcore.planner import mla
 from ftcore.planner.layers import split_layers
 from ftcore.planner.params import (
     expert_shapes,

@@ -33,7 +33,9 @@ def attention_linears(m, tp: int) -> dict[str, tuple[int, int]]:
     n, h = m.num_attention_heads, m.hidden_size
     out = {"linear_proj": (h, n * v // tp)}
     if q_lora:
-        out.update(linear_q_down_proj=(q_lora, h), linear_q_up_proj=(n * (nope + rope) // tp, q_lora))
+        out.update(
+            linear_q_down_proj=(q_lora, h), linear_q_up_proj=(n * (nope + rope) // tp, q_lora)
+        )
     else:
         out["linear_q_proj"] = (n * (nope + rope) // tp, h)
     out.update(linear_kv_down_proj=(kv_lora + rope, h),

@@ -106,7 +106,11 @@ def linear_shapes(m: DictConfig, tp: int) -> dict[str, tuple[int, int]]:
 def shared_shapes(m, tp: int) -> dict[str, tuple[int, int]]:
     """(out, in) of the shared experts' fc1 and fc2 on one TP rank ({} without shared experts)."""
     f = int(getattr(m, "moe_shared_expert_ffn_hidden_size", None) or 0)
-    return {"linear_fc1": (2 * f // tp, m.hidden_size), "linear_fc2": (m.hidden_size, f // tp)} if f else {}
+    return (
+        {"linear_fc1": (2 * f // tp, m.hidden_size), "linear_fc2": (m.hidden_size, f // tp)}
+        if f
+        else {}
+    )
 
 
 def is_moe(m) -> bool:
@@ -307,7 +311,9 @@ def _layer_counts(cfg: DictConfig, active: bool) -> tuple[int, int, int]:
     sf = getattr(m, "moe_shared_expert_ffn_hidden_size", None)
     if sf:  # the shared experts (their adapters: the MLP's targets), always active
         moe_mlp += sum(o * i for o, i in shared_shapes(m, 1).values()) + mlp_lora(sf)
-    moe_mlp += m.num_experts if getattr(m, "moe_router_expert_bias", None) else 0  # a buffer, in the file
+    moe_mlp += (
+        m.num_experts if getattr(m, "moe_router_expert_bias", None) else 0
+    )  # a buffer, in the file
     return attn, dense_mlp, moe_mlp
 
 

@@ -66,7 +66,9 @@ def collect(state) -> dict:
         out["z_loss"] = float(table[:, moe_routing.Z].sum()) / max(valid, 1.0)
     if bias:  # every rank of a stage holds the same router: the sum counts it world / pp times
         world = dist.get_world_size() if dist.is_initialized() else 1
-        out["expert_bias_shift"] = float(table[:, -1].max()) * config.pipeline_model_parallel_size / world
+        out["expert_bias_shift"] = (
+            float(table[:, -1].max()) * config.pipeline_model_parallel_size / world
+        )
     load = table[:, moe_routing.LOAD : -1]
     routed = load.sum(dim=1) > 0  # dense layers (model.moe_dense_layers) route nothing
     if routed.any():

@@ -70,7 +70,9 @@ def check_biased_router(cfg: DictConfig) -> None:
               "model.moe_router_topk_scaling_factor":
               float(m.get("moe_router_topk_scaling_factor") or 1.0) != 1.0}  # fmt: skip
     if not biased:
-        on = [k for k, v in extras.items() if v] + (["model.moe_router_score_function"] if sigmoid else [])
+        on = [k for k, v in extras.items() if v] + (
+            ["model.moe_router_score_function"] if sigmoid else []
+        )
         if on:
             _no(f"{on[0]} on family {m.family}: transformers' {m.family} router has no shared "
                 "experts, sigmoid scores, expert bias, groups or scaling", on[0],
@@ -91,7 +93,12 @@ def check_biased_router(cfg: DictConfig) -> None:
             f"{ffn}", "model.moe_shared_expert_ffn_hidden_size", f"a multiple of {ffn}")  # fmt: skip
     groups, pick = m.get("moe_router_num_groups"), m.get("moe_router_group_topk")
     if groups or pick:
-        if not (groups and pick) or experts % groups or pick >= groups or m.moe_router_topk // pick != 2:
+        if (
+            not (groups and pick)
+            or experts % groups
+            or pick >= groups
+            or m.moe_router_topk // pick != 2
+        ):
             _no(f"moe_router_num_groups={groups}, moe_router_group_topk={pick}: transformers' "
                 f"router picks the best topk_group < n_group groups dividing the {experts} "
                 "experts, each scored by its best 2 (megatron: by its best topk / topk_group)",

@@ -92,12 +92,18 @@ def test_fp8_checkpoint_reads_slices_and_exports(pool4, tmp_path):
         t, e = r["tp_rank"], r["ep_rank"]
         got = {(name, rows, cols) for name, rows, cols in r["reads"]}
         q_b = "model.layers.1.self_attn.q_b_proj.weight"
-        assert {(rows, cols) for n, rows, cols in got if n == q_b} == {((48 * t, 48 * t + 48), None)}
+        assert {(rows, cols) for n, rows, cols in got if n == q_b} == {
+            ((48 * t, 48 * t + 48), None)
+        }
         assert {(rows, cols) for n, rows, cols in got if n == q_b + "_scale_inv"} == {
             ((6 * t, 6 * t + 6), (0, 6))}  # fmt: skip
         o = "model.layers.2.self_attn.o_proj.weight"
-        assert {(rows, cols) for n, rows, cols in got if n == o} == {((0, 64), (32 * t, 32 * t + 32))}
-        experts = {int(n.split(".experts.")[1].split(".")[0]) for n, _, _ in got if ".experts." in n}
+        assert {(rows, cols) for n, rows, cols in got if n == o} == {
+            ((0, 64), (32 * t, 32 * t + 32))
+        }
+        experts = {
+            int(n.split(".experts.")[1].split(".")[0]) for n, _, _ in got if ".experts." in n
+        }
         assert experts == set(range(4 * e, 4 * e + 4)), (e, experts)
 
     plain, fp8 = read_hf_dir(res[0]["plain"]), read_hf_dir(res[0]["fp8"])
@@ -109,8 +115,10 @@ def test_fp8_checkpoint_reads_slices_and_exports(pool4, tmp_path):
         assert fp8[k].dtype == t.dtype, k
         if not k.startswith("model.layers.4."):  # the MTP layer: copied as stored
             continue
-        assert torch.equal(fp8[k].view(torch.uint8) if t.element_size() == 1 else fp8[k],
-                           t.view(torch.uint8) if t.element_size() == 1 else t), k
+        assert torch.equal(
+            fp8[k].view(torch.uint8) if t.element_size() == 1 else fp8[k],
+            t.view(torch.uint8) if t.element_size() == 1 else t,
+        ), k
     for out in (res[0]["plain"], res[0]["fp8"]):
         with torch.no_grad():
             back = hf_model(out)(input_ids=x).logits.float()

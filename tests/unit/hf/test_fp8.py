@@ -30,7 +30,9 @@ def test_quantize_dequantize_on_untiled_shapes():
     assert ((full - w).abs() / w.abs().amax()).max() < 0.07  # e4m3: 3 mantissa bits
     for rows, cols in (((5, 30), (3, 20)), ((16, 17), (0, 21)), ((0, 37), (17, 18))):
         (a, b), (c, d) = fp8.scale_span(rows, cols, block)
-        got = fp8.dequantize(q[rows[0] : rows[1], cols[0] : cols[1]], s[a:b, c:d], block, rows[0], cols[0])
+        got = fp8.dequantize(
+            q[rows[0] : rows[1], cols[0] : cols[1]], s[a:b, c:d], block, rows[0], cols[0]
+        )
         assert torch.equal(got, full[rows[0] : rows[1], cols[0] : cols[1]])
 
 
