@@ -180,6 +180,7 @@ def write_hf_model(
 
     from ftcore.data.tokenizer import tokenizer_source
     from ftcore.models.sharding import iter_weights, join_shards, shard_info
+    from ftcore.runtime import collectives
     from ftcore.runtime import dist as rdist
 
     cfg = state.cfg
@@ -197,7 +198,7 @@ def write_hf_model(
     gathered = [produced]
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, produced)
+        collectives.all_gather_object(gathered, produced)
     owners = {h: r for r, hs in enumerate(gathered) for h in hs}
     origin = carried.source(cfg.model)  # every rank plans the same files from the same headers
     kept = carried.carried_names(origin, s.layers, block)
@@ -219,7 +220,7 @@ def write_hf_model(
                 group = (ps.get_expert_tensor_parallel_group() if expert
                          else ps.get_tensor_model_parallel_group())  # fmt: skip
                 shards = [torch.empty_like(data) for _ in range(n)]
-                dist.all_gather(shards, data, group=group)
+                collectives.all_gather(shards, data, group=group)
                 data = join_shards(shards, shard_info(name, p, n))
                 del shards
             if _writes(name, ranks):
@@ -241,8 +242,10 @@ def write_hf_model(
 def _barrier() -> None:
     import torch.distributed as dist
 
+    from ftcore.runtime import collectives
+
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        collectives.barrier()
 
 
 def export_checkpoint(step_dir: str | Path, run_cfg, out: str | Path, *, dtype: str | None = None,
