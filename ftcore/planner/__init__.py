@@ -6,6 +6,8 @@ is validate()'s memory-fit step (ftcore.train refuses a job predicted not to fit
 
 from __future__ import annotations
 
+import copy
+
 from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
@@ -15,7 +17,7 @@ from ftcore.planner.activations import routed_factor
 from ftcore.planner.cp import comm_type as cp_comm_type
 from ftcore.planner.labels import labels
 from ftcore.planner.memory import GiB, StageMemory, all_stages, host_bytes
-from ftcore.planner.params import active_params, is_moe, moe_layer_count, total_params
+from ftcore.planner.params import active_params, is_moe, moe_layer_count, mtp_params, total_params
 from ftcore.planner.search import smallest_fit
 from ftcore.planner.view import view
 
@@ -96,6 +98,11 @@ def _host_gib(cfg, world: int) -> dict:
 def _params(cfg, world: int) -> dict:
     """Total and active parameters; for a MoE model the experts and where they live."""
     out = {"total": total_params(cfg), "active": active_params(cfg)}
+    base = copy.deepcopy(cfg)
+    base.peft.name = "none"
+    out["base"] = total_params(base)  # the model without adapters: what its card counts
+    if mtp_params(base):  # DeepSeek-V3/GLM-4.5: carried into the export, not built
+        out["mtp"] = mtp_params(base)
     m, p = cfg.model, cfg.parallel
     if is_moe(m):
         ep = getattr(p, "ep", 1)

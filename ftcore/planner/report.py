@@ -8,6 +8,12 @@ TERMS = ("weights", "grads", "optimizer", "activations", "reserve", "load_peak",
 def _params_line(p: dict) -> str:
     par = p["params"]
     line = f"params: {par['total'] / 1e9:.2f} B total, {par['active'] / 1e9:.2f} B active per token"
+    if "base" in par and par["base"] != par["total"]:
+        line += f" (the base model {par['base'] / 1e9:.2f} B, the rest adapters)"
+    if "mtp" in par:
+        line += (f"; the checkpoint's multi-token-prediction layers {par['mtp'] / 1e9:.2f} B more "
+                 f"({(par['base'] + par['mtp']) / 1e9:.2f} B with them), carried into the export, "
+                 "not built")  # fmt: skip
     if "moe" in par:
         e = par["moe"]
         line += (

@@ -120,6 +120,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
         from ftcore.hf.io import load_weights
 
         load_weights(cfg, chunks)
+    moe_routing.remember_bias(chunks)  # expert_bias_shift is measured from here (docs/deepseek.md)
     # 8. PEFT adapters (freezes the base) before DDP, so only adapters get grad buffers.
     if cfg.peft.name != "none":
         from ftcore.peft.lora import apply_peft
