@@ -126,10 +126,21 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
 
         precompute = cfg.objective.precompute_ref and training and data
         state.extra["reference"] = build_reference(cfg, chunks, precompute)
+    if cfg.objective.name == "grpo":  # the reference (beta != 0) and the reward functions
+        from ftcore.data.rewards import build as build_rewards
+        from ftcore.training.grpo import build_reference as grpo_reference
+
+        state.extra["reference"] = grpo_reference(cfg, chunks)
+        state.extra["grpo_rewards"] = build_rewards(cfg)
     # 9. Data: this DP rank's shard of a layout-independent global order. Before the schedule:
     #    with train.epochs, the step count comes from the data size.
     dp_rank = ps.get_data_parallel_rank()
-    if data:
+    if data and cfg.objective.name == "grpo":  # prompts: the rollouts sample the completions
+        from ftcore.data.prompt_set import build_prompt_loader
+        from ftcore.data.rewards import columns_needed
+
+        state.loader = build_prompt_loader(cfg, state.tokenizer, columns_needed(cfg))
+    elif data:
         state.loader = build_train_loader(cfg, state.tokenizer, dp_rank, dp)
         set_steps_from_epochs(cfg, state.loader.report["rows"], state.loader)
         if cfg.eval.interval > 0:
@@ -180,8 +191,17 @@ def _finalize_grads(model: list, *args, **kwargs) -> None:
 def train_step(state: TrainState) -> dict:
     """One optimizer step; its phases are timed into state.timers when set (timing.py)."""
     cfg, timers = state.cfg, state.timers
-    with timed(timers, DATA):
-        microbatches = state.loader.next_microbatches()
+    grpo_batch, times = None, {}
+    if cfg.objective.name == "grpo":  # a rollout when one is due (training/grpo.py)
+        from ftcore.training import grpo
+
+        grpo_batch, sampled, passes = grpo.next_batch(state)
+        microbatches = grpo_batch.microbatches
+        times = {"rollout_time_s": sampled, "ref_time_s": passes}
+    else:
+        with timed(timers, DATA):
+            microbatches = state.loader.next_microbatches()
+    t_update = time.perf_counter()
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
@@ -193,6 +213,11 @@ def train_step(state: TrainState) -> dict:
 
             res = run_pairs(state, microbatches, forward_only=False, timers=timers)
             loss, target_tokens, metrics = res.loss, res.tokens, res.metrics
+        elif grpo_batch is not None:  # TRL's loss and metrics; the rollout's on its first step
+            res = grpo.run(state, grpo_batch, timers=timers)
+            loss, target_tokens, metrics = res.loss, res.tokens, res.metrics
+            if grpo_batch.uses == 1:
+                metrics.update(grpo_batch.metrics)
         else:
             scaled = (
                 moe_metrics.scaled_step(state, microbatches, is_data_rank())
@@ -228,12 +253,14 @@ def train_step(state: TrainState) -> dict:
     state.scheduler.step(increment=1)
     (tokens,) = reduce_sums([float(sum(mb.num_tokens for mb in microbatches))], is_data_rank())
     state.consumed_samples += cfg.train.global_batch_size
+    if times:  # grpo: the rollout and the update timed apart (the step line shows both)
+        times["update_time_s"] = time.perf_counter() - t_update + times.pop("ref_time_s")
     return {
         "loss": loss,
         "grad_norm": norm,
         "tokens": int(tokens),
         "target_tokens": int(target_tokens),
-        "metrics": metrics,
+        "metrics": {**times, **metrics},
     }
 
 
