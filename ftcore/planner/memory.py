@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from ftcore.planner import activations as act
-from ftcore.planner import calibration, cp
+from ftcore.planner import calibration, cp, grpo
 from ftcore.planner.layers import split_layers
 from ftcore.planner.params import Param, init_method, linear_shapes, padded_vocab, rank_params
 from ftcore.planner.view import view
@@ -210,7 +210,7 @@ def _model_state(cfg, pp_rank: int, dp: int, dp_rank: int) -> dict[str, int]:
             if group:
                 gdp = expert_dp(cfg, dp) if group[0].expert else dp
                 _buffer_state(out, group, gdp, dp_rank % gdp, cfg, pb, gb, param_gather, on_cpu)
-    if act.reference_forwards(cfg) and cfg.peft.name == "none":
+    if (act.reference_forwards(cfg) or grpo.frozen_reference(cfg)) and cfg.peft.name == "none":
         # full fine-tuning DPO: a frozen copy of the starting weights, sharded like the policy
         # (training/dpo.py); LoRA's reference is the same model with its adapters off
         out["reference"] = out["elements"] * pb
@@ -272,6 +272,8 @@ def stage_memory(
     recompute = act.recompute_transient(sh)
     cp_buffers = cp.transient_bytes(sh)
     activations = saved + pipe + mask + max(loss + logits, recompute + cp_buffers)
+    rollout = grpo.rollout_bytes(cfg, world, pp_rank)  # objective=grpo: KV cache, between updates
+    activations = max(activations, rollout)
     return StageMemory(
         pp_rank=pp_rank,
         layers=sum(split[pp_rank]),
@@ -297,6 +299,7 @@ def stage_memory(
             logits_transient=logits,
             recompute_transient=recompute,
             cp_transient=cp_buffers,
+            rollout_transient=rollout,
             elements=state["elements"],
         ),
     )
