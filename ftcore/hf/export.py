@@ -24,6 +24,7 @@ from ftcore.hf import mappings
 from ftcore.hf.config import hf_config_dict
 from ftcore.hf.io import INDEX, StreamWriter
 from ftcore.models.sharding import is_expert
+from ftcore.runtime import safe_files
 
 log = logging.getLogger("ftcore")
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
@@ -85,8 +86,11 @@ def write_metadata(out: Path, model_cfg, dtype: torch.dtype, tokenizer_dir: str 
     cfg = hf_config_dict(model_cfg, dtype=DTYPE_JSON[dtype], tokenizer=tok)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     src = model_cfg.get("hf_path")
-    if src and (Path(src) / "generation_config.json").is_file():
-        shutil.copy(Path(src) / "generation_config.json", out / "generation_config.json")
+    if src and (Path(src) / "generation_config.json").is_file():  # checked JSON, from inside src
+        gen = Path(src) / "generation_config.json"
+        safe_files.read_json_object(gen, "model.hf_path", root=Path(src))
+        safe_files.copy_file(gen, out / "generation_config.json", "model.hf_path", root=Path(src))
+    safe_files.mark_export(out, "hf_model")  # what export.overwrite may replace
 
 
 def write_tensors(out: Path, files: list[ShardFile], mine: Iterable[tuple[str, torch.Tensor]],

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ftcore.errors import FtcoreError
 from ftcore.hf.io import weights_source
@@ -37,6 +37,7 @@ from ftcore.peft.config import (
 )
 from ftcore.peft.experts import adapter_params, shard_group_of
 from ftcore.runtime import dist as rdist
+from ftcore.runtime import safe_files
 
 log = logging.getLogger("ftcore")
 
@@ -168,6 +169,7 @@ def save_adapter(
     tmp.mkdir(parents=True)
     save_file(sd, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
     write_adapter_config(tmp, s, targets, base, params)  # PEFT's file, without importing peft
+    safe_files.mark_export(tmp, "hf_adapter")  # what export.overwrite may replace
     with_umask(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
@@ -192,8 +194,12 @@ def read_adapter(path) -> tuple[dict, dict[str, torch.Tensor]]:
     config = read_adapter_config(str(path))
     f = adapter_file(path)
     if f.name == ADAPTER_FILE:
-        return config, load_file(str(f))
-    return config, torch.load(f, map_location="cpu", weights_only=True)
+        return config, safe_files.load_safetensors(f, "peft.adapter_path", root=f.parent)
+    sd = safe_files.torch_load(f, "peft.adapter_path", root=f.parent)
+    if not isinstance(sd, dict) or not all(isinstance(t, torch.Tensor) for t in sd.values()):
+        raise FtcoreError(f"{f} holds no tensors by name", field="peft.adapter_path",
+                          fix="a PEFT adapter directory")  # fmt: skip
+    return config, sd
 
 
 @torch.no_grad()

@@ -17,8 +17,8 @@ pairs' token ids, the model and reference settings) is this run's; otherwise the
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
-import os
 from functools import partial
 from pathlib import Path
 
@@ -29,6 +29,8 @@ from megatron.core import parallel_state as ps
 from omegaconf import OmegaConf
 
 from ftcore.data.pipeline import assemble
+from ftcore.errors import FtcoreError
+from ftcore.runtime import safe_files
 from ftcore.training.step import forward_step, is_loss_rank, schedule
 
 log = logging.getLogger("ftcore")
@@ -99,8 +101,8 @@ def _load(path: Path, key: str) -> dict | None:
     if not path.is_file():
         return None
     try:
-        got = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - a damaged file is recomputed, not trusted
+        got = safe_files.torch_load(path, "objective.precompute_ref", root=path.parent)
+    except FtcoreError as e:  # a damaged file is recomputed, not trusted
         log.warning("precompute_ref: %s is unreadable (%s): computing it again", path, e)
         return None
     if not isinstance(got, dict) or got.get("version") != VERSION or got.get("key") != key:
@@ -152,9 +154,9 @@ def save(state) -> None:
     if dist.get_rank() == 0:
         path = Path(state.run_dir, FILE)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{FILE}.tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        safe_files.write_atomic(path, buf.getvalue())  # .reference_logps.pt.tmp: never a link
     dist.barrier()
 
 
