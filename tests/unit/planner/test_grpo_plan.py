@@ -50,7 +50,9 @@ def test_decode_is_bandwidth_bound_and_the_kv_cache_is_memory():
 
 def test_sequence_parallel_decodes_without_cache_and_iterations_amortise():
     sp = _plan("parallel.sp=true")["grpo"]
-    assert sp["kv_cache_recomputed"] and sp["decode_token_s"] > 5 * _plan()["grpo"]["decode_token_s"]
+    assert (
+        sp["kv_cache_recomputed"] and sp["decode_token_s"] > 5 * _plan()["grpo"]["decode_token_s"]
+    )
     g = _plan("objective.beta=0.04", "objective.num_iterations=2")["grpo"]
     assert g["forward_only_passes"] == 2 and g["forward_only_s"] > 0
     assert g["step_time_s"] == pytest.approx(
