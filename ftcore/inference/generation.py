@@ -1,6 +1,6 @@
 """Decoding under any layout: the chat-templated prompt in, tokens out, greedily (temperature 0)
 or sampled (temperature, top-k, top-p). Used by `ftcore.generate`, by the trainer's exact-match
-accuracy (inference/exact_match.py) and by objective=grpo's rollouts (training/rollout.py: each
+accuracy (inference/exact_match.py) and by objective=grpo's rollouts (training/objectives/grpo/rollout.py: each
 data-parallel replica decodes its own completions, each row from its own seeded generator).
 
 Decoding runs megatron's own forward-only schedule, so TP/PP work unchanged. With megatron's KV

@@ -212,7 +212,7 @@ def _model_state(cfg, pp_rank: int, dp: int, dp_rank: int) -> dict[str, int]:
                 _buffer_state(out, group, gdp, dp_rank % gdp, cfg, pb, gb, param_gather, on_cpu)
     if (act.reference_forwards(cfg) or grpo.frozen_reference(cfg)) and cfg.peft.name == "none":
         # full fine-tuning DPO: a frozen copy of the starting weights, sharded like the policy
-        # (training/dpo.py); LoRA's reference is the same model with its adapters off
+        # (training/objectives/dpo/); LoRA's reference is the same model with its adapters off
         out["reference"] = out["elements"] * pb
     out["weights"] = out["frozen"] + out["trainable"] + out["quantized_cache"] + out["reference"]
     return out

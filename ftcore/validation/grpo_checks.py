@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
 
-# TRL 1.16's GRPOConfig.loss_type values, and the ones ftcore computes (training/grpo_loss.py)
+# TRL 1.16's GRPOConfig.loss_type values, and the ones ftcore computes (training/objectives/grpo/loss.py)
 TRL_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 SCALE_REWARDS = ("group", "batch", "none")

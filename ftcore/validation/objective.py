@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from ftcore.errors import FtcoreError
 
 OBJECTIVES = ("sft", "dpo", "grpo")
-# TRL 1.16's DPOConfig.loss_type values, and the ones ftcore computes (ftcore/training/preference.py)
+# TRL 1.16's DPOConfig.loss_type values, and the ones ftcore computes (training/objectives/dpo/loss.py)
 TRL_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
                   "sppo_hard", "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft",
                   "sigmoid_norm")  # fmt: skip
@@ -82,7 +82,7 @@ def check_objective(cfg: DictConfig) -> None:
 def check_reference(cfg: DictConfig) -> None:
     """LoRA's reference is the base with the adapters off (or base + ref_adapter_path); full
     fine-tuning's a frozen copy sharded like the policy; either, with precompute_ref, log-probs
-    stored by a first pass (training/ref_store.py)."""
+    stored by a first pass (training/objectives/dpo/ref_store.py)."""
     o = cfg.objective
     if o.ref_adapter_path and cfg.peft.name == "none":
         raise FtcoreError(

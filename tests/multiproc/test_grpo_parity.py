@@ -1,8 +1,9 @@
 """GRPO on every layout (issue 55): with the same seed, four LoRA GRPO steps (fp32; beta != 0, so
 the reference pass runs; num_iterations=2, so the old log-probs are kept and the second update of
-each rollout clips) at TP=2 (+SP, whose decoding recomputes the prefix), PP=2 and DP=2 sample the
-same completions, score the same rewards and give the one-process losses, KL and entropy to 1e-5.
-Each run is the same config with only the layout changed; ftcore's own decoder samples."""
+each rollout clips) at TP=2 (+SP, whose decoding recomputes the prefix), PP=2 and DP=2 (the
+distributed optimizer, its parameter gather overlapped) sample the same completions, score the
+same rewards and give the one-process losses, KL and entropy to 1e-5. Each run is the same config
+with only the layout changed; ftcore's own decoder samples."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ REWARDS = "tests.support.grpo_rewards"
 LAYOUTS = {
     "tp2": ["parallel.tp=2", "parallel.sp=true"],
     "pp2": ["parallel.pp=2"],
-    "dp2": [],
+    # the distributed optimizer with both overlaps: the decoder reads the gathered parameters
+    "dp2": [
+        "parallel.distributed_optimizer=true",
+        "parallel.overlap_grad_reduce=true",
+        "parallel.overlap_param_gather=true",
+    ],
 }
 # the bundled tiny base (it stops its completions, a random one would not) and prompt set
 BASE = ["+exp=tiny_lora", "objective=grpo", "data.packing=false", "data.seq_len=96",

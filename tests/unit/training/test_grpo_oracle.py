@@ -68,13 +68,7 @@ def ftcore_case(hf_dir: str, adapter: str, data: str, root: str) -> dict:
     losses, the metrics and the adapter's tensors after them. Sampling is replaced by the fixed
     completions. One setup serves every combo (its settings are read at each step): the adapter is
     put back, the optimizer, schedule and prompt stream built anew, the reference kept for beta."""
-    from megatron.core import parallel_state as ps
-    from safetensors.torch import load_file
-
-    from ftcore.config.schema import compose
-    from ftcore.peft.adapter_format import write_hf_adapter
-    from ftcore.peft.reference import snapshot
-    from ftcore.training import optim, rollout, trainer
+    from ftcore.training.objectives.grpo import rollout
 
     by_prompt = {tuple(p): FIXED[i] for i, p in enumerate(_trl_prompt_ids(hf_dir))}
     seen: list = []
@@ -84,7 +78,22 @@ def ftcore_case(hf_dir: str, adapter: str, data: str, root: str) -> dict:
         seen.extend(tuple(p) for p in prompt_rows)
         return [list(by_prompt[tuple(p)][k % g]) for p, k in zip(prompt_rows, rows)]
 
-    rollout.sample = fixed
+    original, rollout.sample = rollout.sample, fixed  # the pool's worker lives on: put it back
+    try:
+        return _combos(hf_dir, adapter, data, root, seen)
+    finally:
+        rollout.sample = original
+
+
+def _combos(hf_dir: str, adapter: str, data: str, root: str, seen: list) -> dict:
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import load_file
+
+    from ftcore.config.schema import compose
+    from ftcore.peft.adapter_format import write_hf_adapter
+    from ftcore.peft.reference import snapshot
+    from ftcore.training import optim, trainer
+
     first = {"loss_type": "grpo", "beta": 0.04, "num_iterations": 1}  # builds the reference
     state = trainer.setup(compose(_overrides(hf_dir, adapter, data, str(Path(root, "run")), first)))
     chunks = [m.module for m in state.model]

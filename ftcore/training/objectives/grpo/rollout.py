@@ -34,7 +34,7 @@ from ftcore.data.templates import Doc
 from ftcore.errors import FtcoreError
 from ftcore.runtime import collectives
 from ftcore.runtime import dist as rdist
-from ftcore.training import grpo_loss
+from ftcore.training.objectives.grpo import loss as grpo_loss
 from ftcore.training.step import is_data_rank
 
 log = logging.getLogger("ftcore")
@@ -171,7 +171,7 @@ def microbatches(
 
 def rollout(state, index: int) -> Batch:
     """Rollout `index`: prompts, completions, rewards, advantages, micro-batches (no forward pass
-    of the update yet: training/grpo.py adds the old and reference log-probs)."""
+    of the update yet: step.py adds the old and reference log-probs)."""
     cfg, tok = state.cfg, state.tokenizer
     s = grpo_loss.Settings.of(cfg)
     funcs = state.extra["grpo_rewards"]

@@ -1,6 +1,6 @@
-"""One objective=grpo step (docs/grpo.md): a rollout when one is due (training/rollout.py), the
+"""One objective=grpo step (docs/grpo.md): a rollout when one is due (rollout.py), the
 forward-only passes it needs once, then the policy's forward and backward with GRPO's loss
-(training/grpo_loss.py).
+(loss.py).
 
 A rollout serves objective.num_iterations updates. With more than one, the rollout policy's
 per-token log-probs are kept from a forward pass right after sampling (TRL's
@@ -28,7 +28,10 @@ from megatron.core import parallel_state as ps
 from ftcore.data.transfer import to_device
 from ftcore.models import target_logits
 from ftcore.runtime import collectives, cpu
-from ftcore.training import grpo_loss, rollout
+from ftcore.training.objectives.dpo.step import Reference
+from ftcore.training.objectives.dpo.step import build_reference as frozen_copy
+from ftcore.training.objectives.grpo import loss as grpo_loss
+from ftcore.training.objectives.grpo import rollout
 from ftcore.training.step import (
     forward_step,
     is_loss_rank,
@@ -45,9 +48,6 @@ def build_reference(cfg, chunks: list):
     """Before DDP and resume (trainer.setup): None with beta=0 (no KL term); LoRA: the adapters
     off, or with peft.adapter_path the starting adapter's values (TRL copies a pretrained adapter
     to "ref"); full fine-tuning: DPO's frozen copy of the starting weights."""
-    from ftcore.training.dpo import Reference
-    from ftcore.training.dpo import build_reference as frozen_copy
-
     if cfg.objective.beta == 0.0:
         return None
     if cfg.peft.name != "none":
