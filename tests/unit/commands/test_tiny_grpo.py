@@ -1,7 +1,6 @@
 """`python -m ftcore.train +exp=tiny_grpo`, shortened, as a user types it: the step line shows the
 rollout's and the update's seconds apart and the reward, metrics.jsonl has TRL's names, the adapter
-loads in PEFT and generates; a reward module that cannot be imported exits 2 before any step, and
-ftcore.eval refuses objective=grpo.
+loads in PEFT and generates.
 (The shipped 60 steps, whose reward rises, are measured in docs/grpo.md.)"""
 
 from __future__ import annotations
@@ -9,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-from tests.support.cli import cli, error_line
+from tests.support.cli import cli
 
 SHORT = ["+exp=tiny_grpo", "train.max_steps=3", "train.global_batch_size=16",
          "train.micro_batch_size=8", "objective.num_generations=4"]  # fmt: skip
@@ -46,12 +45,3 @@ def test_tiny_grpo_trains_logs_trls_metrics_and_writes_a_peft_adapter(tmp_path):
             input_ids=torch.tensor([[5, 9, 11]]), max_new_tokens=2, do_sample=False
         )
     assert out.shape == (1, 5)
-
-
-def test_a_reward_module_that_cannot_be_imported_exits_2_and_eval_refuses(tmp_path):
-    line = error_line(cli("train", *SHORT, "objective.rewards=[{fn: 'no_such_rewards:score'}]",
-                          f"run.dir={tmp_path / 'run'}"))  # fmt: skip
-    assert "objective.rewards[0].fn" in line and "cannot import 'no_such_rewards'" in line
-    assert not (tmp_path / "run").exists()
-    line = error_line(cli("eval", "+exp=tiny_grpo", cwd=tmp_path))
-    assert "objective:" in line and "no objective=grpo evaluation" in line

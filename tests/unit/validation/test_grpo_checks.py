@@ -1,5 +1,6 @@
 """objective=grpo's configuration: TRL's names compose, each refusal names its field (exit 2) before
-anything is built, and a reward function that cannot be imported is refused at the check."""
+anything is built, a reward function that cannot be imported is refused at the check, and
+ftcore.eval refuses objective=grpo before it launches a worker."""
 
 from __future__ import annotations
 
@@ -74,3 +75,11 @@ def test_prompt_records_go_with_grpo_only_and_dpo_needs_a_positive_beta():
     assert e.field == "data.format" and "nothing to learn" in str(e)
     e = _refusal("objective=dpo", "objective.beta=0", "data.format=preference")
     assert e.field == "objective.beta"
+
+
+def test_ftcore_eval_refuses_grpo_before_it_launches():
+    from ftcore import eval as ftcore_eval
+
+    with pytest.raises(FtcoreError) as e:
+        ftcore_eval.task(compose(GRPO))
+    assert e.value.field == "objective" and "no objective=grpo evaluation" in str(e.value)
