@@ -31,6 +31,7 @@ from ftcore.data.packing import MicroBatch, make_microbatch
 from ftcore.data.pipeline import row_width, trim_multiple
 from ftcore.data.prompt_set import is_conversational
 from ftcore.data.templates import Doc
+from ftcore.data.transfer import pin_host_batches
 from ftcore.errors import FtcoreError
 from ftcore.runtime import collectives
 from ftcore.runtime import dist as rdist
@@ -161,10 +162,13 @@ def microbatches(
     widths = [row_width([[d] for d in g], cfg.data.seq_len, multiple) for g in groups]
     if cfg.parallel.pp > 1:
         widths = [max(widths)] * len(widths)
+    pin = pin_host_batches(cfg.cluster.device)  # as the loader's: copies to the GPU need no sync
     for k, (g, w) in enumerate(zip(groups, widths)):
         mb = make_microbatch([[d] for d in g], w, pad_id)
+        mb = mb.pin_memory() if pin else mb
         rows = torch.arange(len(g)).unsqueeze(1).expand(len(g), w)
-        batch.seq[id(mb)] = torch.where(mb.loss_mask > 0, rows, torch.full_like(rows, -1))
+        seq = torch.where(mb.loss_mask > 0, rows, torch.full_like(rows, -1))
+        batch.seq[id(mb)] = seq.pin_memory() if pin else seq
         batch.row_adv[id(mb)] = adv[k * mbs : k * mbs + len(g)].clone()
         batch.microbatches.append(mb)
 

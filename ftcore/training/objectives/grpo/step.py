@@ -28,6 +28,7 @@ from megatron.core import parallel_state as ps
 from ftcore.data.transfer import to_device
 from ftcore.models import target_logits
 from ftcore.runtime import collectives, cpu
+from ftcore.runtime import dist as rdist
 from ftcore.training.objectives.dpo.step import Reference
 from ftcore.training.objectives.dpo.step import build_reference as frozen_copy
 from ftcore.training.objectives.grpo import loss as grpo_loss
@@ -135,7 +136,7 @@ def _policy_loss(s: grpo_loss.Settings, batch, whole, mb, vocab: int, rows):
 
 
 @dataclass(frozen=True)
-class StepResult:
+class UpdateResult:
     loss: float
     tokens: int  # completion tokens trained on (the global batch)
     metrics: dict  # TRL's names: the update's and, on a rollout step, the rollout's
@@ -161,7 +162,7 @@ def next_batch(state) -> tuple[rollout.Batch, float, float]:
     return batch, t1 - t0, time.perf_counter() - t1
 
 
-def run(state, batch: rollout.Batch, *, forward_only: bool = False, timers=None) -> StepResult:
+def run(state, batch: rollout.Batch, *, forward_only: bool = False, timers=None) -> UpdateResult:
     """The policy's forward (and backward) over the rollout's micro-batches: GRPO's loss and the
     update's metrics over the world."""
     s = grpo_loss.Settings.of(state.cfg)
@@ -180,13 +181,11 @@ def run(state, batch: rollout.Batch, *, forward_only: bool = False, timers=None)
     loss_sum, count, sums = total[0], total[1], total[2:]
     metrics = grpo_loss.metric_means(s, sums, low_min, high_max)
     tokens = int(sums[-1])
-    return StepResult(loss=loss_sum / max(count, 1.0), tokens=tokens, metrics=metrics)
+    return UpdateResult(loss=loss_sum / max(count, 1.0), tokens=tokens, metrics=metrics)
 
 
 def _extremes(low_min: float, high_max: float) -> tuple[float, float]:
     """The world's smallest low_min and largest high_max (ranks without a loss hold inf, -inf)."""
-    from ftcore.runtime import dist as rdist
-
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return low_min, high_max
     t = torch.tensor([low_min, -high_max], dtype=torch.float64, device=rdist.comm_device())
