@@ -25,7 +25,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from ftcore.errors import FtcoreError
-from ftcore.runtime import safe_files
+from ftcore.runtime import collectives, safe_files
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp_step_"
@@ -43,7 +43,7 @@ def _gather(obj) -> list:
     if world == 1:
         return [obj]
     out = [None] * world
-    dist.all_gather_object(out, obj)
+    collectives.all_gather_object(out, obj)
     return out
 
 
@@ -114,7 +114,7 @@ def write_manifest(path: Path, extra: dict) -> None:
     files = _files(path) if rank == 0 else None
     if world > 1:
         box = [files]
-        dist.broadcast_object_list(box, src=0)
+        collectives.broadcast_object_list(box, src=0)
         files = box[0]
     mine = {
         rel: [(path / rel).stat().st_size, _crc32(path / rel, path)] for rel in files[rank::world]

@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 from ftcore.errors import FtcoreError
 from ftcore.models.sharding import unwrap
-from ftcore.runtime import safe_files
+from ftcore.runtime import collectives, safe_files
 
 log = logging.getLogger("ftcore")
 
@@ -119,7 +119,7 @@ def _all_gather(obj) -> list:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    collectives.all_gather_object(out, obj)
     return out
 
 

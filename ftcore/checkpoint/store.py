@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ftcore.checkpoint import files, resume
 from ftcore.errors import FtcoreError
-from ftcore.runtime import cpu, safe_files
+from ftcore.runtime import collectives, cpu, safe_files
 
 log = logging.getLogger("ftcore")
 
@@ -88,7 +88,7 @@ def _in_process_results_queue() -> None:
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        collectives.barrier()
 
 
 def _rank0(state) -> bool:

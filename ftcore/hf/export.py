@@ -147,6 +147,7 @@ def write_hf_model(
 
     from ftcore.data.tokenizer import tokenizer_source
     from ftcore.models.sharding import iter_params, join_shards, shard_info
+    from ftcore.runtime import collectives
     from ftcore.runtime import dist as rdist
 
     cfg = state.cfg
@@ -164,7 +165,7 @@ def write_hf_model(
     gathered = [produced]
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, produced)
+        collectives.all_gather_object(gathered, produced)
     owners = {h: r for r, hs in enumerate(gathered) for h in hs}
     files = plan_files(s, dtype, lambda h: owners[h], cfg.export.max_shard_gb * 1e9)
     if rank == 0:
@@ -183,7 +184,7 @@ def write_hf_model(
                 group = (ps.get_expert_tensor_parallel_group() if expert
                          else ps.get_tensor_model_parallel_group())  # fmt: skip
                 shards = [torch.empty_like(data) for _ in range(n)]
-                dist.all_gather(shards, data, group=group)
+                collectives.all_gather(shards, data, group=group)
                 data = join_shards(shards, shard_info(name, p, n))
                 del shards
             if _writes(name, ranks):
@@ -204,8 +205,10 @@ def write_hf_model(
 def _barrier() -> None:
     import torch.distributed as dist
 
+    from ftcore.runtime import collectives
+
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        collectives.barrier()
 
 
 def export_checkpoint(step_dir: str | Path, run_cfg, out: str | Path, *, dtype: str | None = None,

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
 from ftcore.hf import fused_experts, mappings
+from ftcore.precision import delayed
 from ftcore.runtime import safe_files
 
 log = logging.getLogger("ftcore")
@@ -196,7 +197,9 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
     alone and writes it into the shared scale_inv: rows written earlier would be decoded with the
     last piece's scale, with no error (TE's tensor/float8_tensor.py and quantized_tensor.py). So
     its shard is assembled in high precision (its dtype, on its device) and written with one
-    `copy_`, which quantizes with the whole shard's amax: one extra shard at a time.
+    `copy_`, which quantizes with the whole shard's amax: one extra shard at a time. Under delayed
+    scaling that `copy_` casts with the quantizer's stored scale (1 before any step) instead: the
+    scale is first set from the shard's amax by TE's own update rule (precision/delayed.py).
 
     QLoRA's base linears go the same way without ever holding full-precision storage: their
     parameter is a meta placeholder whose `take_whole` quantizes the assembled shard to NF4
@@ -233,6 +236,7 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
         if take is not None:
             take(dst)  # quantized as read: the full-precision shard is dropped right here
         elif whole:
+            delayed.scale_for_load(p, dst, cfg.precision.fp8_margin)  # fp8_delayed: not scale 1
             p.copy_(dst)
         del dst
     log.info("loaded %s weights from %s", field, root)

@@ -21,6 +21,7 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
 from ftcore.errors import FtcoreError
+from ftcore.runtime import collectives
 from ftcore.runtime import dist as rdist
 
 log = logging.getLogger("ftcore")
@@ -92,8 +93,6 @@ def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
 def _share(ids: torch.Tensor, chooser: bool, group=None) -> torch.Tensor:
     """The chooser rank's tokens on every rank of `group` (default the world; others add
     zeros), on the host."""
-    from ftcore.runtime import collectives
-
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return ids.to(torch.int64).cpu()
     t = ids if chooser else torch.zeros_like(ids)

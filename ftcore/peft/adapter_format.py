@@ -36,8 +36,8 @@ from ftcore.peft.config import (
     settings,
 )
 from ftcore.peft.experts import adapter_params, shard_group_of
+from ftcore.runtime import collectives, safe_files
 from ftcore.runtime import dist as rdist
-from ftcore.runtime import safe_files
 
 log = logging.getLogger("ftcore")
 
@@ -74,17 +74,17 @@ def gather_full(chunks, *, everywhere: bool = False) -> dict[str, torch.Tensor] 
         shards = [data]
         if tp > 1:
             shards = [torch.empty_like(data) for _ in range(tp)]
-            dist.all_gather(shards, data, group=group)
+            collectives.all_gather(shards, data, group=group)
         if lead:
             mine[name] = join_shards(shards, shard_info(name, p, tp)).cpu()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
     if everywhere:
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
+        collectives.all_gather_object(parts, mine)
     else:
         parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, parts, dst=0)
+        collectives.gather_object(mine, parts, dst=0)
         if dist.get_rank() != 0:
             return None
     out = {}

@@ -16,7 +16,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from omegaconf import DictConfig, OmegaConf
 
 from ftcore.errors import FtcoreError, StopRequested
-from ftcore.runtime import cpu, safe_files, signals
+from ftcore.runtime import collectives, cpu, safe_files, signals
 from ftcore.runtime import dist as rdist
 from ftcore.training import metrics as metrics_mod
 from ftcore.training import moe_metrics, objectives, optim, overlap
@@ -79,7 +79,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     # 3. Process group (gloo on CPU), then the CPU runtime before any megatron module is built.
     info = rdist.init_distributed(cfg)
     if info.device.type == "cpu":
-        cpu.activate()
+        cpu.activate(hide_cuda=True)  # cluster.device=cpu on a GPU machine too
     # 4. megatron's parallel state (dp is what tp·pp·cp leave) and seeds (CPU + megatron's RNG tracker).
     rdist.init_model_parallel(cfg, info.world)
     if info.device.type == "cuda" and cfg.parallel.tp_comm_overlap:
@@ -90,7 +90,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     with cpu.device_mode():
         model_parallel_cuda_manual_seed(cfg.run.seed)
     # 5. One run directory for all ranks (created at step 12, once setup has succeeded).
-    cfg.run.dir = rdist.broadcast_object(rdist.decide_run_dir(cfg, kind))
+    cfg.run.dir = collectives.broadcast_object(rdist.decide_run_dir(cfg, kind))
     run_dir = Path(cfg.run.dir)
     safe_files.check_run_dir(run_dir)  # no link among its entries: ftcore writes and deletes there
     state = TrainState(cfg=cfg, info=info, run_dir=run_dir, dp=dp)

@@ -49,6 +49,14 @@ def check_grpo(cfg: DictConfig) -> None:
     if p.pp > 1 and p.vp > 1:
         raise FtcoreError(f"rollouts decode one micro-batch per forward, which the interleaved schedule "
                           f"(parallel.vp={p.vp}) does not run", field="parallel.vp", fix="parallel.vp=1")  # fmt: skip
+    from ftcore.precision.decode import decode_problems
+
+    problems = decode_problems(cfg)  # the rollouts decode one token per row on the training model
+    if problems:
+        key, why = problems[0]
+        raise FtcoreError(f"ftcore's rollouts decode one token per row with the training model: {why}",
+                          field=key, fix="precision=bf16 and parallel.tp_comm_overlap=false "
+                          "(FP8/FP4 GEMMs and userbuffers want training shapes)")  # fmt: skip
     if t.epochs is not None:
         raise FtcoreError("train.epochs is not read by objective=grpo", field="train.epochs",
                           fix="train.max_steps=N (a step takes global_batch_size / num_generations prompts)")  # fmt: skip

@@ -63,6 +63,7 @@ def test_tiny_grpo_composes_with_trls_names_and_passes():
         (["objective.rewards=[{fn: last_number}, {fn: last_number}]"], "objective.rewards[1].name",
          "two rewards"),
         (["data.format=instruction"], "data.format", "not instruction records"),
+        (["precision=fp8_delayed"], "precision", "one token per row"),
     ],
 )  # fmt: skip
 def test_refusals_name_their_field(overrides, field, words):
