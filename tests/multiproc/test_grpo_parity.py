@@ -3,7 +3,8 @@ the reference pass runs; num_iterations=2, so the old log-probs are kept and the
 each rollout clips) at TP=2 (+SP, whose decoding recomputes the prefix), PP=2 and DP=2 (the
 distributed optimizer, its parameter gather overlapped) sample the same completions, score the
 same rewards and give the one-process losses, KL and entropy to 1e-5. Each run is the same config
-with only the layout changed; ftcore's own decoder samples."""
+with only the layout changed; ftcore's own decoder samples. The layouts run under the device
+audit: no collective of a rollout or an update hands NCCL a host tensor."""
 
 from __future__ import annotations
 
@@ -36,14 +37,25 @@ BASE = ["+exp=tiny_lora", "objective=grpo", "data.packing=false", "data.seq_len=
         f"train.max_steps={STEPS}"]  # fmt: skip
 
 
-def steps_case(overrides: list[str], run_dir: str) -> dict:
-    """Worker: per step the loss and metrics; per rollout this rank's rows and completions."""
-    from megatron.core import parallel_state as ps
+def steps_case(overrides: list[str], run_dir: str, audit: bool = False) -> dict:
+    """Worker: per step the loss and metrics; per rollout this rank's rows and completions. With
+    `audit`, every collective must get the tensor the GPU path's backend takes
+    (runtime/device_audit.py: NCCL, no host tensor)."""
+    import contextlib
 
     from ftcore.config.schema import compose
+    from ftcore.runtime import device_audit
+
+    with device_audit.shadow_devices() if audit else contextlib.nullcontext():
+        return _steps(compose([*overrides, f"run.dir={run_dir}"]))
+
+
+def _steps(cfg) -> dict:
+    from megatron.core import parallel_state as ps
+
     from ftcore.training import trainer
 
-    state = trainer.setup(compose([*overrides, f"run.dir={run_dir}"]))
+    state = trainer.setup(cfg)
     steps, rollouts = [], []
     while state.step < STEPS:
         r = trainer.train_step(state)
@@ -76,7 +88,7 @@ def reference(pool1, tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_grpo_layout_parity(pool2, reference, tmp_path, layout):
     ref = reference
-    got = pool2.run(steps_case, [*BASE, *LAYOUTS[layout]], str(tmp_path))
+    got = pool2.run(steps_case, [*BASE, *LAYOUTS[layout]], str(tmp_path), audit=True)
     want = _completions(ref)
     assert len(want) == STEPS // 2
     assert _completions(got) == want  # the same tokens, row for row
