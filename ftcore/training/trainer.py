@@ -16,7 +16,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from omegaconf import DictConfig, OmegaConf
 
 from ftcore.errors import FtcoreError, StopRequested
-from ftcore.runtime import collectives, cpu, safe_files, signals
+from ftcore.runtime import collectives, cpu, run_lock, safe_files, signals
 from ftcore.runtime import dist as rdist
 from ftcore.training import metrics as metrics_mod
 from ftcore.training import moe_metrics, objectives, optim, overlap
@@ -89,10 +89,13 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     torch.manual_seed(cfg.run.seed)
     with cpu.device_mode():
         model_parallel_cuda_manual_seed(cfg.run.seed)
-    # 5. One run directory for all ranks (created at step 12, once setup has succeeded).
+    # 5. One run directory for all ranks (written at step 12, once setup has succeeded), locked
+    #    for this run: a live run in it already is exit 2 naming its pid, host and start time.
     cfg.run.dir = collectives.broadcast_object(rdist.decide_run_dir(cfg, kind))
     run_dir = Path(cfg.run.dir)
     safe_files.check_run_dir(run_dir)  # no link among its entries: ftcore writes and deletes there
+    if training:
+        _lock_run_dir(run_dir, info.rank)
     state = TrainState(cfg=cfg, info=info, run_dir=run_dir, dp=dp)
     # 6. Tokenizer (its vocab size is the model's unpadded vocab).
     state.tokenizer = load_tokenizer(cfg)
@@ -150,6 +153,22 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
         safe_files.write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         log.info("run directory: %s", run_dir)
     return state
+
+
+def _lock_run_dir(run_dir: Path, rank: int) -> None:
+    """Collective: rank 0 locks `run_dir` for this run (runtime/run_lock.py) unless this process
+    or its launcher holds the lock already; a refusal is raised on every rank, so that they all
+    exit 2 with the same line."""
+    refused = None
+    if rank == 0 and not run_lock.held(run_dir):
+        run_lock.release()  # an earlier run's, in this process (tests build several in one)
+        try:
+            run_lock.acquire(run_dir)
+        except FtcoreError as e:
+            refused = str(e)
+    refused = collectives.broadcast_object(refused)
+    if refused is not None:
+        raise FtcoreError(refused)
 
 
 def _wire_model_config(state: TrainState) -> None:
