@@ -253,14 +253,30 @@ class PeftConfig:
 
 
 @dataclass
-class ObjectiveConfig:
-    """What a step minimises (docs/preference.md): sft (next-token cross entropy) or dpo
-    (preference pairs, TRL 1.x's definitions)."""
+class RewardConfig:
+    """One reward function of objective=grpo (docs/grpo.md): a built-in by name (exact_answer,
+    last_number, regex) or the user's own as `module:function`, TRL's signature
+    `f(prompts, completions, **columns) -> list[float]`, imported only when named."""
 
-    name: str = "sft"  # sft | dpo
-    beta: float = 0.1  # dpo: the KL strength (TRL's beta)
-    # dpo: TRL's loss names (sigmoid, ipo, hinge, sft), summed with loss_weights (null: 1.0 each)
-    loss_type: list[str] = field(default_factory=lambda: ["sigmoid"])
+    fn: str = MISSING
+    weight: float = 1.0
+    column: Optional[str] = None  # exact_answer, last_number: the record's answer column
+    pattern: Optional[str] = None  # regex: what the whole completion must match
+    name: Optional[str] = None  # the metric's name (rewards/NAME/mean); default the function's
+
+
+@dataclass
+class ObjectiveConfig:
+    """What a step minimises: sft (next-token cross entropy), dpo (preference pairs, TRL 1.x's
+    definitions; docs/preference.md) or grpo (online RL on prompts, TRL 1.16's GRPOTrainer;
+    docs/grpo.md)."""
+
+    name: str = "sft"  # sft | dpo | grpo
+    # dpo: the KL strength (TRL's beta); grpo: the k3 KL penalty to the reference (0: none)
+    beta: float = 0.1
+    # dpo: a list of TRL's loss names (sigmoid, ipo, hinge, sft), summed with loss_weights (null:
+    # 1.0 each); grpo: one name (grpo, dapo, dr_grpo, bnpo)
+    loss_type: Any = field(default_factory=lambda: ["sigmoid"])
     loss_weights: Optional[list[float]] = None
     label_smoothing: float = 0.0  # dpo, sigmoid only (conservative DPO), in [0, 0.5)
     # dpo with LoRA: the reference is the base plus this adapter, and the policy starts from it
@@ -268,6 +284,21 @@ class ObjectiveConfig:
     # dpo: reference log-probs from a first pass over the data, stored per pair in run.dir (full
     # fine-tuning: no frozen copy; LoRA: no forward without adapters per step)
     precompute_ref: bool = False
+    # grpo (TRL's GRPOConfig names): completions sampled per prompt; train.global_batch_size
+    # counts completions, so a step takes global_batch_size / num_generations prompts
+    num_generations: int = 8
+    max_completion_length: int = 256
+    temperature: float = 1.0  # sampling, and the log-probs of the loss (TRL divides the logits)
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    epsilon: float = 0.2  # the ratio's clip range below 1
+    epsilon_high: Optional[float] = None  # above 1 (null: epsilon; DAPO uses 0.28)
+    scale_rewards: str = "group"  # group | batch | none
+    num_iterations: int = 1  # policy updates per rollout batch (old log-probs kept)
+    mask_truncated_completions: bool = False
+    # the KL term times the ratio r (TRL 1.16's default): its gradient the unbiased reverse-KL one
+    use_bias_correction_kl: bool = True
+    rewards: list[RewardConfig] = field(default_factory=list)
 
 
 @dataclass

@@ -11,7 +11,7 @@ import copy
 from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
-from ftcore.planner import memory
+from ftcore.planner import grpo, memory
 from ftcore.planner import throughput as _throughput
 from ftcore.planner.activations import routed_factor
 from ftcore.planner.cp import comm_type as cp_comm_type
@@ -133,7 +133,7 @@ def plan(cfg: DictConfig, world_size: int | None = None) -> dict:
     speed = _throughput.throughput(cfg, world)
     p = cfg.parallel
     st = speed["time"]
-    return {
+    out = {
         "exp": cfg.run.exp,
         "model": cfg.model.name,
         "peft": cfg.peft.name,
@@ -192,3 +192,15 @@ def plan(cfg: DictConfig, world_size: int | None = None) -> dict:
             "host_bound": st.host_bound_s,
         },
     }
+    if grpo.active(cfg):  # rollout, forward-only passes and update priced apart (planner/grpo.py)
+        out["grpo"] = _grpo(cfg, world, stages, speed)
+    return out
+
+
+def _grpo(cfg, world: int, stages: list[StageMemory], speed: dict) -> dict:
+    weights = [
+        s.parts["frozen_weights"] + s.parts["trainable_weights"] + s.parts["quantized_weights"]
+        for s in stages
+    ]
+    st = speed["time"]
+    return grpo.price(cfg, world, weights, st.total, st.compute_s)

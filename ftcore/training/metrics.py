@@ -109,9 +109,9 @@ class MetricsWriter:
                 self.bar.update(self.task, completed=step, info=info)
             elif step % self.log_interval == 0 or step == self.total:
                 log.info(
-                    "step %d/%d | loss %.4f | grad_norm %.3f | lr %.3e | %.0f tok/s | %.2f s/step",
+                    "step %d/%d | loss %.4f | grad_norm %.3f | lr %.3e | %.0f tok/s | %.2f s/step%s",
                     step, self.total, record["loss"], record["grad_norm"], record["lr"],
-                    record["tokens_per_s"], record["step_time_s"],
+                    record["tokens_per_s"], record["step_time_s"], rollout_fields(record),
                 )  # fmt: skip
         else:
             log.info("step %d | eval_loss %.4f", step, record["eval_loss"])
@@ -130,6 +130,15 @@ class MetricsWriter:
                 0 if exc is None else next((c for t, c in codes.items() if isinstance(exc, t)), 1)
             )
             self.wandb.finish(exit_code=code)
+
+
+def rollout_fields(record: dict) -> str:
+    """objective=grpo's part of the step line: the rollout's seconds and the update's apart, and
+    the mean reward on the steps that sampled a rollout."""
+    if "rollout_time_s" not in record:
+        return ""
+    out = f" (rollout {record['rollout_time_s']:.2f} s, update {record['update_time_s']:.2f} s)"
+    return out + (f" | reward {record['reward']:.3f}" if "reward" in record else "")
 
 
 class StepTimer:
