@@ -109,12 +109,13 @@ def remember_bias(chunks: list) -> None:
             r.ftcore_bias0 = r.expert_bias.detach().clone()
 
 
-def bias_shift(r: Router) -> torch.Tensor:
-    """The largest |expert bias - as loaded| of a router (0 without an expert bias); megatron
-    moves it in finalize_model_grads by moe_router_bias_update_rate per step."""
+def bias_shift(r: Router) -> torch.Tensor | None:
+    """The largest |expert bias - as loaded| of a router, on the router's device (None without an
+    expert bias: no host tensor to copy per router per step); megatron moves it in
+    finalize_model_grads by moe_router_bias_update_rate per step."""
     b0 = getattr(r, "ftcore_bias0", None)
     if r.expert_bias is None or b0 is None:
-        return torch.zeros(())
+        return None
     return (r.expert_bias.detach().float() - b0.float()).abs().max()
 
 

@@ -59,7 +59,9 @@ def collect(state) -> dict:
         if r.ftcore_stats is not None:
             table[r.layer_number - 1, :-1] += r.ftcore_stats.to(table.device)
             r.ftcore_stats.zero_()
-        table[r.layer_number - 1, -1] = moe_routing.bias_shift(r).to(table.device)
+        shift = moe_routing.bias_shift(r)
+        if shift is not None:  # already on the router's device: no host-to-device copy
+            table[r.layer_number - 1, -1] = shift
     table = _world_sum(table).double().cpu()
     bias = config.moe_router_enable_expert_bias
     valid = float(state.extra["moe_tokens"][0]) if "moe_tokens" in state.extra else 0.0
