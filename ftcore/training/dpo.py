@@ -47,13 +47,14 @@ class Reference:
         table = self.tables["val" if id(mb) in self.val_batches else "train"]
         return table[list(mb.pair_ids or ())]
 
-    def context(self):
+    def context(self, model: list):
+        """`model`: the policy's DDP-wrapped chunks (the swap finishes their parameter gather)."""
         from ftcore.peft import reference as peft_ref
 
         if self.chunks is not None:
             return contextlib.nullcontext()
         if self.ref_adapter is not None:
-            return peft_ref.adapter_swapped(self.policy, self.ref_adapter)
+            return peft_ref.adapter_swapped(model, self.ref_adapter)
         return peft_ref.adapters_off(self.policy)
 
 
@@ -159,7 +160,7 @@ def run_pairs(state, microbatches: list, *, forward_only: bool, timers=None) -> 
     if ref.tables is not None:  # objective.precompute_ref: no reference forward
         store = {id(mb): ref.stored(mb) for mb in microbatches}
     else:
-        with torch.no_grad(), ref.context():
+        with torch.no_grad(), ref.context(state.model):
             step = partial(forward_step, make_loss=partial(_reference_loss, store))
             schedule(state, microbatches, forward_only=True, step=step, model=ref.chunks)
     step = partial(forward_step, make_loss=partial(_policy_loss, obj, store))
