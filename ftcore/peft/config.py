@@ -251,7 +251,6 @@ def check_config(cfg: DictConfig) -> None:
             f"QLoRA's NF4 base linears have no bias; {cfg.model.family} has q/k/v biases",
             field="peft.name", fix="use peft=lora on this model",
         )  # fmt: skip
-    check_nf4_blocks(cfg)
     s = settings(cfg)
     if s.r <= 0:
         raise FtcoreError(f"rank must be > 0, got {s.r}", field="peft.r", fix="use e.g. peft.r=16")
@@ -270,6 +269,7 @@ def check_config(cfg: DictConfig) -> None:
     from ftcore.peft.moe_format import check_moe_targets
 
     check_moe_targets(cfg, s.targets, plan_targets(s.targets))
+    check_nf4_blocks(cfg)
     if s.adapter_path:
         check_adapter_fits(s.adapter_path, cfg.model)
 
