@@ -219,4 +219,3 @@ def quantize_linear(base: nn.Module, *, double_quant: bool, sp: bool) -> nn.Modu
     m.qweight.tensor_model_parallel = bool(getattr(base.weight, "tensor_model_parallel", False))
     m.qweight.partition_dim = getattr(base.weight, "partition_dim", -1)
     return m
-

@@ -23,7 +23,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from ftcore.errors import FtcoreError
@@ -91,7 +90,13 @@ def paths(pool1, tmp_path_factory) -> dict[str, str]:
     hf_adapter/ of a LoRA SFT run of the dense model (the table's own LoRA settings)."""
     moe = make_tiny_moe(tmp_path_factory.mktemp("moe") / "qwen3_moe")
     d = tmp_path_factory.mktemp("ref_adapter")
-    sft = {"model": "dense", "objective": "sft", "loss": "next_token", "peft": "lora", "rows": "packed"}
+    sft = {
+        "model": "dense",
+        "objective": "sft",
+        "loss": "next_token",
+        "peft": "lora",
+        "rows": "packed",
+    }
     argv = matrix.reference_command(matrix.reference_key(sft), {})
     pool1.run(train_case, argv, str(d))
     return {"moe": str(moe), "adapter": str(d / "hf_adapter")}
@@ -177,6 +182,18 @@ def test_dpo_references_start_at_log2(references):
         # exactly 0 but for precompute_ref, whose stored pass sums in another order (~4e-8)
         assert abs(ref["rewards/chosen"][0]) + abs(ref["rewards/rejected"][0]) <= 1e-6, key
         assert abs(ref["rewards/margins"][-1]) > 1e-4, (key, "the policy did not move")
+
+
+def test_moe_references_route_and_balance(references):
+    """The one-process MoE runs themselves (4 experts, top-2, 3 MoE layers of 4): a positive
+    auxiliary loss near coeff x layers (about 0.3 when balanced) and an expert load between
+    balance and the worst possible (E/k = 2)."""
+    keys = sorted({matrix.reference_key(r) for r in RUNS if r["model"] == "moe"})
+    assert len(keys) >= 2
+    for key in keys:
+        ref = references(key)
+        assert all(0.1 < a < 1.0 for a in ref["aux_loss"]), (key, ref["aux_loss"])
+        assert all(1.0 <= x <= 2.0 for x in ref["expert_load_max_over_mean"]), key
 
 
 def _holding(pair: tuple) -> dict[str, str]:

@@ -42,8 +42,12 @@ LORA = ("peft=lora", "peft.r=4", "peft.lora_alpha=8", "optim.lr=3e-3")
 QLORA = ("peft=qlora", "peft.double_quant=false", "peft.r=4", "peft.lora_alpha=8", "optim.lr=3e-3")
 DPO = ("objective=dpo", "data.format=preference")
 DISTOPT = ("parallel.distributed_optimizer=true",)
-OVERLAP = (*DISTOPT, "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true",
-           "parallel.overlap_p2p_comm=true")  # fmt: skip  (p2p: a no-op but under PP x VP)
+OVERLAP = (
+    *DISTOPT,
+    "parallel.overlap_grad_reduce=true",
+    "parallel.overlap_param_gather=true",
+    "parallel.overlap_p2p_comm=true",
+)  # fmt: skip  (p2p: a no-op but under PP x VP)
 # a large auxiliary loss and a z-loss: a mis-scaled router gradient shows in the LM loss
 MOE = ("model.hf_path={moe}", "moe.aux_loss_coeff=0.1", "moe.z_loss_coeff=0.001")
 
@@ -153,9 +157,7 @@ NAMES = list(FACTORS)
 ITEMS = [(f, v) for f in NAMES for v in FACTORS[f]]
 _BIT = {
     pair: i
-    for i, pair in enumerate(
-        (a, b) for a, b in itertools.combinations(ITEMS, 2) if a[0] != b[0]
-    )
+    for i, pair in enumerate((a, b) for a, b in itertools.combinations(ITEMS, 2) if a[0] != b[0])
 }
 
 
@@ -261,9 +263,16 @@ def reference_command(key: tuple[str, ...], paths: dict[str, str]) -> list[str]:
     return [*BASE, *_overrides(run, WHAT, paths)]
 
 
-def setting_keys(factor: str) -> set[str]:
+def override_keys(overrides) -> set[str]:
+    """The config keys overrides set: `peft=lora` picks conf/peft/lora.yaml, which sets
+    peft.name (every group's files name themselves)."""
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    return {k if "." in k else f"{k}.name" for k in keys}
+
+
+def setting_keys(factor: str, factors: dict | None = None) -> set[str]:
     """The config keys a factor's settings set on the command line."""
-    return {o.split("=", 1)[0].lstrip("+~") for s in FACTORS[factor].values() for o in s}
+    return {k for s in (factors or FACTORS)[factor].values() for k in override_keys(s)}
 
 
 def table_markdown() -> str:

@@ -15,13 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def missing_switches(factors: dict) -> list[str]:
     """The schema's training-path keys no factor of `factors` sets."""
-    keys = {k for f in factors for s in factors[f].values() for k in _keys(s)}
+    keys = {k for f in factors for k in matrix.setting_keys(f, factors)}
     keys |= {k for k, f in matrix.DERIVED.items() if f in factors}
     return [k for k in training_path_keys() if k not in keys]
-
-
-def _keys(overrides) -> set[str]:
-    return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
 
 
 def test_every_training_path_switch_is_a_dimension():
@@ -49,7 +45,9 @@ def test_a_new_switch_in_the_schema_must_join_the_table(monkeypatch):
         new_kernel: bool = switch(False)
 
     extended = dataclasses.make_dataclass(
-        "Extended", [("extra", Extra, dataclasses.field(default_factory=Extra))], bases=(FtcoreConfig,)
+        "Extended",
+        [("extra", Extra, dataclasses.field(default_factory=Extra))],
+        bases=(FtcoreConfig,),
     )
     monkeypatch.setattr(groups, "FtcoreConfig", extended)
     assert missing_switches(matrix.FACTORS) == ["extra.new_kernel"]
@@ -92,7 +90,7 @@ def test_factor_settings_are_distinct_and_what_precedes_how():
     for f, settings in matrix.FACTORS.items():
         if f != "dp":  # dp is what the world leaves: no key of its own
             assert len({tuple(s) for s in settings.values()}) == len(settings), f
-    for (a, b) in itertools.combinations(matrix.LAYOUT, 2):
+    for a, b in itertools.combinations(matrix.LAYOUT, 2):
         assert matrix.setting_keys(a).isdisjoint(matrix.setting_keys(b))
 
 
