@@ -281,9 +281,9 @@ def check_nf4_blocks(cfg: DictConfig) -> None:
     """QLoRA at TP > 1 quantises each shard in the blocks one process uses (models/nf4.py); that
     needs every quantised linear's input width (its rows) to be whole blocks, or one process's
     blocks cross rows that TP puts on different ranks."""
-    m, tp = cfg.model, cfg.parallel.tp
-    if cfg.peft.name != "qlora" or tp == 1:
+    if cfg.peft.name != "qlora" or cfg.parallel.tp == 1:
         return
+    m, tp = cfg.model, cfg.parallel.tp
     head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
     widths = {"q/k/v_proj and gate/up_proj (model.hidden_size)": m.hidden_size,
               "o_proj (heads x head dim)": m.num_attention_heads * head_dim,
