@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ftcore.errors import FtcoreError
+from ftcore.runtime import safe_files
 
 # Llama 3: bos once, then <|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|> per turn.
 LLAMA3_TEMPLATE = (
@@ -51,7 +52,7 @@ PROBES = (
         {"role": "assistant", "content": "It is 8."},
     ],
 )
-FORMATS = ("instruction", "chat", "prompt_completion", "text", "preference")
+FORMATS = ("instruction", "chat", "prompt_completion", "text", "preference", "prompt")
 
 
 class BadRecord(ValueError):
@@ -98,7 +99,7 @@ def resolve_template(tokenizer, name: str | None) -> str:
             field="data.chat_template",
             fix=f"use one of {', '.join(BUILTIN_TEMPLATES)} or a path to a Jinja template file",
         )
-    return path.read_text(encoding="utf-8")
+    return safe_files.read_text(path, "data.chat_template", limit=1 << 20)
 
 
 def _string(rec: dict, key: str, *, required: bool = True) -> str | None:
@@ -157,7 +158,11 @@ class Renderer:
             )
         self.tok, self.fmt, self.train_on_prompt = tokenizer, fmt, train_on_prompt
         self.template = None
-        if fmt in ("prompt_completion", "preference"):  # strings need no template; lists do
+        if fmt in (
+            "prompt_completion",
+            "preference",
+            "prompt",
+        ):  # strings need no template; lists do
             try:
                 self.template = resolve_template(tokenizer, template)
             except FtcoreError:

@@ -21,11 +21,14 @@ import torch
 from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
-from ftcore.hf import fused_experts, mappings
+from ftcore.hf import fp8, fused_experts, mappings
+from ftcore.precision import delayed
+from ftcore.runtime import safe_files
 
 log = logging.getLogger("ftcore")
 INDEX = "model.safetensors.index.json"
-DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+          "F8_E4M3": torch.float8_e4m3fn}  # fmt: skip
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100_000_000  # bytes: safetensors' own bound on a header (100 MB)
 
@@ -38,7 +41,7 @@ def _header(path: Path, field: str, wanted: str | None = None) -> dict:
                           fix="copy the complete model directory (every file the index names)")  # fmt: skip
     size = path.stat().st_size
     try:
-        with open(path, "rb") as f:
+        with safe_files.open_read(path, field, root=path.parent) as f:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > MAX_HEADER:  # refused before a byte of it is read (safetensors' own limit)
                 raise ValueError(f"header of {n} bytes, over safetensors' {MAX_HEADER}-byte limit")
@@ -61,23 +64,23 @@ def _header(path: Path, field: str, wanted: str | None = None) -> dict:
 class SafetensorsDir:
     """The tensors of a local HF directory: name -> (file, dtype, shape), from the index or headers."""
 
-    def __init__(self, path: str | Path, field: str = "model.hf_path"):
-        self.root, self.field = Path(path), field
+    def __init__(self, path: str | Path, field: str = "model.hf_path", fp8_block=None):
+        """`fp8_block`: the checkpoint's FP8 block (quantization_config.weight_block_size): a
+        tensor with a `<name>_scale_inv` beside it is read dequantized (hf/fp8.py)."""
+        self.root, self.field, self.fp8_block = Path(path), field, fp8_block
         index = self.root / INDEX
         self.files: dict[str, Path] = {}
         self._headers: dict[Path, dict] = {}
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError) as e:
-                raise FtcoreError(
-                    f"{index} is not a valid safetensors index ({e})",
-                    field=field,
-                    fix="download model.safetensors.index.json again",
-                ) from e
-            self.files = {k: self.root / v for k, v in weight_map.items()}
+            weight_map = safe_files.read_json_object(index, field, root=self.root).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise FtcoreError(f"{index} is not a valid safetensors index (no weight_map)",
+                                  field=field, fix="download model.safetensors.index.json again")  # fmt: skip
+            # every file it names inside this directory: never an absolute path, `..` or a link out
+            self.files = {k: safe_files.inside(self.root, str(v), field, what=str(index))
+                          for k, v in weight_map.items()}  # fmt: skip
         else:
-            shards = sorted(self.root.glob("*.safetensors"))
+            shards = safe_files.entries(self.root, field, "*.safetensors")
             if not shards:
                 raise FtcoreError(f"{self.root} holds no *.safetensors files", field=field,
                                   fix="save the model with safe_serialization (the default)")  # fmt: skip
@@ -126,13 +129,37 @@ class SafetensorsDir:
             self.check_shape(name, mappings.hf_shape(name, shapes))
 
     def read(self, piece: mappings.Piece) -> torch.Tensor:
-        """Only the rows/columns of `piece`, copied out of the memory-mapped file."""
-        from safetensors import SafetensorError, safe_open
+        """Only the rows/columns of `piece`, copied out of the memory-mapped file; an FP8 weight
+        dequantized to fp32 from the scale blocks that cover just those (hf/fp8.py)."""
+        scale = piece.hf + fp8.SCALE if piece.hf else None
+        if scale in self.files and piece.expert is None:
+            return self._dequantized(piece, scale)
+        return self._read(piece)
+
+    def _dequantized(self, piece: mappings.Piece, scale: str) -> torch.Tensor:
+        if self.fp8_block is None:
+            raise FtcoreError(f"{piece.hf} has {scale} but config.json no quantization_config",
+                              field=self.field, fix="restore config.json from the model's "
+                              "original files")  # fmt: skip
+        _, meta = self.entry(piece.hf)
+        rows, cols = meta["shape"][0], meta["shape"][1] if len(meta["shape"]) > 1 else 1
+        r, c = piece.rows or (0, rows), piece.cols or (0, cols)
+        sr, sc = fp8.scale_span(r, c, self.fp8_block)
+        q = self._read(mappings.Piece(piece.hf, r, piece.cols))
+        s = self._read(mappings.Piece(scale, sr, sc))
+        return fp8.dequantize(q, s, self.fp8_block, r[0], c[0])
+
+    def raw(self, piece: mappings.Piece) -> torch.Tensor:
+        """The rows/columns of `piece` as stored (an FP8 weight not dequantized)."""
+        return self._read(piece)
+
+    def _read(self, piece: mappings.Piece) -> torch.Tensor:
+        from safetensors import SafetensorError
 
         path, _ = self.entry(piece.hf)
         r = slice(*piece.rows) if piece.rows else slice(None)
         try:
-            with safe_open(str(path), framework="pt") as f:
+            with safe_files.safetensors_open(path, self.field, root=self.root) as f:
                 sl = f.get_slice(piece.hf)
                 c = slice(*piece.cols) if piece.cols else slice(None)
                 if piece.expert is not None:  # one expert of a fused [E, rows, cols] tensor
@@ -198,21 +225,23 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
     alone and writes it into the shared scale_inv: rows written earlier would be decoded with the
     last piece's scale, with no error (TE's tensor/float8_tensor.py and quantized_tensor.py). So
     its shard is assembled in high precision (its dtype, on its device) and written with one
-    `copy_`, which quantizes with the whole shard's amax: one extra shard at a time.
+    `copy_`, which quantizes with the whole shard's amax: one extra shard at a time. Under delayed
+    scaling that `copy_` casts with the quantizer's stored scale (1 before any step) instead: the
+    scale is first set from the shard's amax by TE's own update rule (precision/delayed.py).
 
     QLoRA's base linears go the same way without ever holding full-precision storage: their
     parameter is a meta placeholder whose `take_whole` quantizes the assembled shard to NF4
     (models/nf4.py), so a rank holds the NF4 base and one full-precision shard at a time."""
     from megatron.core import parallel_state as ps
 
-    from ftcore.models.sharding import is_expert, iter_params, shard_info, tp_of
+    from ftcore.models.sharding import is_expert, iter_weights, shard_info, tp_of
 
     root, field = weights_source(cfg)
-    st = SafetensorsDir(root, field)
+    st = SafetensorsDir(root, field, cfg.model.get("fp8_block"))
     shapes = mappings.Shapes.from_cfg(cfg.model)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     st.check_all(shapes)
-    for name, p in list(iter_params(chunks)):  # a list: QLoRA's take_whole swaps parameters
+    for name, p in list(iter_weights(chunks)):  # a list: QLoRA's take_whole swaps parameters
         mp = mappings.resolve(name, shapes.tie, shapes)
         if mp is None:
             raise FtcoreError(f"parameter {name} has no Hugging Face counterpart", field=field,
@@ -240,6 +269,7 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
         if take is not None:
             take(dst)  # quantized as read: the full-precision shard is dropped right here
         elif whole:
+            delayed.scale_for_load(p, dst, cfg.precision.fp8_margin)  # fp8_delayed: not scale 1
             p.copy_(dst)
         del dst
     log.info("loaded %s weights from %s", field, root)
@@ -290,7 +320,7 @@ class StreamWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         self.tmp = path.with_name(path.name + ".tmp")
-        self.f = open(self.tmp, "wb")
+        self.f = safe_files.create(self.tmp)
         self.f.write(struct.pack("<Q", len(raw)) + raw)
         self.data_start = 8 + len(raw)
         self.pending = set(self.entries)

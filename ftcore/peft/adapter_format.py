@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ftcore.errors import FtcoreError
 from ftcore.hf.io import weights_source
@@ -27,7 +27,9 @@ from ftcore.peft import moe_format
 from ftcore.peft.adapter_config import write_adapter_config
 from ftcore.peft.config import (
     ADAPTER_FILE,
+    HF_ORDER,
     HF_PARENT,
+    SHARED,
     SLICES,
     LoraSettings,
     adapter_file,
@@ -36,13 +38,15 @@ from ftcore.peft.config import (
     settings,
 )
 from ftcore.peft.experts import adapter_params, shard_group_of
+from ftcore.runtime import collectives, safe_files
 from ftcore.runtime import dist as rdist
 
 log = logging.getLogger("ftcore")
 
-# one of our adapter tensors: (layer, megatron linear, A|B, key)
+# one of our adapter tensors: (layer, shared experts' prefix or None, megatron linear, A|B, key)
 OUR_KEY = re.compile(
-    r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(linear_\w+|router)\.lora_([AB])\.(\w+)$"
+    r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(shared_experts\.)?(linear_\w+|router)"
+    r"\.lora_([AB])\.(\w+)$"
 )
 
 
@@ -73,17 +77,17 @@ def gather_full(chunks, *, everywhere: bool = False) -> dict[str, torch.Tensor] 
         shards = [data]
         if tp > 1:
             shards = [torch.empty_like(data) for _ in range(tp)]
-            dist.all_gather(shards, data, group=group)
+            collectives.all_gather(shards, data, group=group)
         if lead:
             mine[name] = join_shards(shards, shard_info(name, p, tp)).cpu()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
     if everywhere:
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
+        collectives.all_gather_object(parts, mine)
     else:
         parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, parts, dst=0)
+        collectives.gather_object(mine, parts, dst=0)
         if dist.get_rank() != 0:
             return None
     out = {}
@@ -112,18 +116,17 @@ def to_peft(
         m = OUR_KEY.match(name)
         if m is None:
             raise ValueError(f"not an adapter tensor: {name}")
-        layer, module, ab, key = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        if ab == "A":
+        layer, pre, module, ab, key = int(m[1]), m[2] or "", m[3], m[4], m[5]
+        if ab == "A":  # a shared expert's slices: "shared_experts.gate_proj" (HF_PARENT)
             for s in SLICES[module] if key == module else (key,):
-                a_of[(layer, s)] = t
+                a_of[(layer, pre + s)] = t
         else:
-            b_of[(layer, key)] = t
+            b_of[(layer, pre + key)] = t
     for (layer, s), b in b_of.items():
         sd[hf_key(layer, s, "A", family)] = a_of[(layer, s)].contiguous().clone()
         sd[hf_key(layer, s, "B", family)] = b.contiguous()
-        targets.add(s)
-    order = [s for slices in SLICES.values() for s in slices]
-    return sd, sorted(targets, key=order.index)
+        targets.add(s.removeprefix(SHARED))
+    return sd, sorted(targets, key=HF_ORDER.index)
 
 
 def with_umask(root: Path) -> None:
@@ -160,14 +163,16 @@ def save_adapter(
     params = None
     if model_cfg is not None and moe_format.is_moe(model_cfg):
         targets, params = moe_format.peft_targets(
-            model_cfg.family, targets, list(model_cfg.moe_dense_layers)
-        )
+            model_cfg.family, targets, list(model_cfg.moe_dense_layers),
+            bool(model_cfg.get("moe_shared_expert_ffn_hidden_size")),
+        )  # fmt: skip
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(sd, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
     write_adapter_config(tmp, s, targets, base, params)  # PEFT's file, without importing peft
+    safe_files.mark_export(tmp, "hf_adapter")  # what export.overwrite may replace
     with_umask(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
@@ -192,8 +197,12 @@ def read_adapter(path) -> tuple[dict, dict[str, torch.Tensor]]:
     config = read_adapter_config(str(path))
     f = adapter_file(path)
     if f.name == ADAPTER_FILE:
-        return config, load_file(str(f))
-    return config, torch.load(f, map_location="cpu", weights_only=True)
+        return config, safe_files.load_safetensors(f, "peft.adapter_path", root=f.parent)
+    sd = safe_files.torch_load(f, "peft.adapter_path", root=f.parent)
+    if not isinstance(sd, dict) or not all(isinstance(t, torch.Tensor) for t in sd.values()):
+        raise FtcoreError(f"{f} holds no tensors by name", field="peft.adapter_path",
+                          fix="a PEFT adapter directory")  # fmt: skip
+    return config, sd
 
 
 @torch.no_grad()
@@ -217,7 +226,7 @@ def load_hf_adapter(chunks, s: LoraSettings, cfg) -> None:
             layer, ab, key = int(e[1]), e[4], e[5]
             full = experts.get((layer, int(e[2]), key, ab))
         elif m is not None:
-            layer, ab, key = int(m.group(1)), m.group(3), m.group(4)
+            layer, ab, key = int(m[1]), m[4], (m[2] or "") + m[5]
             full = tensors.get((layer, key, ab))
         else:
             continue

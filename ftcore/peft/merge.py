@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ftcore.errors import FtcoreError
 from ftcore.hf.ckpt_reader import CheckpointReader
@@ -40,6 +40,7 @@ from ftcore.peft.config import (
 )
 from ftcore.peft.layers import fuse_column
 from ftcore.precision.recipes import check_merge
+from ftcore.runtime import safe_files
 
 log = logging.getLogger("ftcore")
 
@@ -84,9 +85,17 @@ def write_merged_model(base_dir, adapter_dir, out_dir) -> Path:
     """base HF directory + PEFT adapter -> merged HF directory, one safetensors shard at a time.
     Config, index, tokenizer and other small files are copied unchanged."""
     base_dir, out_dir = Path(base_dir), Path(out_dir)
+    config = base_dir / "config.json"
+    if config.is_file() and safe_files.read_json_object(config, "model.hf_path", root=base_dir).get(
+        "quantization_config"
+    ):
+        raise FtcoreError(f"{base_dir} is a quantized (FP8) checkpoint: merging onto its files "
+                          "would add the adapter to quantized values", field="export.merge",
+                          fix="merge from the live run (its export reads the dequantized base: "
+                          "hf_model/ of a LoRA run), or onto a bf16 copy of the base")  # fmt: skip
     adapter_config, sd = read_adapter(adapter_dir)
     deltas = merge_deltas(adapter_config, sd)
-    shards = sorted(base_dir.glob("*.safetensors"))
+    shards = safe_files.entries(base_dir, "model.hf_path", "*.safetensors")
     if not shards:
         raise FtcoreError(f"{base_dir} has no safetensors weights", field="model.hf_path",
                           fix="model.hf_path=DIR holding the base's *.safetensors")  # fmt: skip
@@ -95,7 +104,7 @@ def write_merged_model(base_dir, adapter_dir, out_dir) -> Path:
     tmp.mkdir(parents=True)
     done = set()
     for f in shards:
-        weights = load_file(str(f))
+        weights = safe_files.load_safetensors(f, "model.hf_path", root=base_dir)
         done |= set(deltas) & set(weights)
         save_file(merge_state(weights, deltas), str(tmp / f.name), metadata={"format": "pt"})
     missing = set(deltas) - done
@@ -103,9 +112,10 @@ def write_merged_model(base_dir, adapter_dir, out_dir) -> Path:
         raise FtcoreError(f"the base has no {sorted(missing)[0]} (and {len(missing) - 1} more): the "
                           "adapter was trained on another base", field="export.merge",
                           fix="model.hf_path=<the base the adapter was trained on>")  # fmt: skip
-    for f in base_dir.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and not (tmp / f.name).exists():
-            shutil.copy2(f, tmp / f.name)
+    for f in safe_files.entries(base_dir, "model.hf_path"):  # never a link out of the base
+        if f.suffix != ".safetensors" and not (tmp / f.name).exists():
+            safe_files.copy_file(f, tmp / f.name, "model.hf_path", root=base_dir)
+    safe_files.mark_export(tmp, "merged model")
     with_umask(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
@@ -128,13 +138,15 @@ def megatron_deltas(
             groups.setdefault((int(e[1]), parent, e[3]), {"A": {}, "B": {}})[e[4]][e[5]] = t.float()
             continue
         m = OUR_KEY.match(name)
-        layer, module, ab, key = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        groups.setdefault((layer, PARENT[module], module), {"A": {}, "B": {}})[ab][key] = t.float()
+        layer, module, ab, key = int(m[1]), m[3], m[4], m[5]
+        parent = PARENT[module] + (".shared_experts" if m[2] else "")
+        groups.setdefault((layer, parent, module), {"A": {}, "B": {}})[ab][key] = t.float()
     out = {}
     for (layer, parent, module), ab in groups.items():
         per = {s: b @ ab["A"].get(s, ab["A"].get(module)) for s, b in ab["B"].items()}
         if module in COLUMN:
             g = geo.expert() if ".local_experts." in parent else geo
+            g = g.shared() if parent.endswith(".shared_experts") else g
             delta = fuse_column(module, {s: d.t() for s, d in per.items()}, g, 1).t()
         else:
             (delta,) = per.values()
@@ -167,13 +179,14 @@ def adapter_names(run_cfg) -> list[str]:
     m = run_cfg.model
     names, experts = [], int(getattr(m, "num_experts", None) or 0)
     dense = set(getattr(m, "moe_dense_layers", None) or [])
+    shared = ["mlp.shared_experts"] if m.get("moe_shared_expert_ffn_hidden_size") else []
     for i in range(m.num_layers):
         moe = experts and i not in dense
-        for module, slices in plan_targets(settings(run_cfg).targets).items():
+        for module, slices in plan_targets(settings(run_cfg).targets, m).items():
             if module == "router" and not moe:
                 continue
             if moe and module in ("linear_fc1", "linear_fc2"):
-                parents = [f"mlp.experts.local_experts.{k}" for k in range(experts)]
+                parents = [f"mlp.experts.local_experts.{k}" for k in range(experts)] + shared
             else:
                 parents = [PARENT[module]]
             for parent in parents:

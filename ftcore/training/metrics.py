@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import resource
 import secrets
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ftcore.errors import EXIT_REQUEUE, EXIT_USER_ERROR, FtcoreError, StopRequested
+from ftcore.runtime import safe_files
 
 log = logging.getLogger("ftcore")
 
@@ -31,15 +31,13 @@ def truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = []
-    for line in path.read_text().splitlines():
+    for line in safe_files.read_text(path, "run.dir", root=path.parent, limit=1 << 40).splitlines():
         try:
             if json.loads(line).get("step", 0) <= step:
                 kept.append(line)
         except json.JSONDecodeError:
             break  # a torn last line from a crash
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(ln + "\n" for ln in kept))
-    os.replace(tmp, path)
+    safe_files.write_atomic(path, "".join(ln + "\n" for ln in kept))
 
 
 class MetricsWriter:
@@ -54,7 +52,7 @@ class MetricsWriter:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         truncate_metrics(self.path, start_step)
-        self.file = open(self.path, "a")  # noqa: SIM115 - kept open for the run
+        self.file = safe_files.open_append(self.path)  # kept open for the run; never a link
         mode = cfg.logger.progress
         if mode == "bar" or (mode == "auto" and sys.stderr.isatty()):
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -79,10 +77,10 @@ class MetricsWriter:
 
         id_file = run_dir / "wandb_id"
         if resumed and id_file.exists():
-            run_id = id_file.read_text().strip()
+            run_id = safe_files.read_text(id_file, "run.dir", root=run_dir, limit=256).strip()
         else:  # our own id (wandb's helper for it moved between versions); 16 hex digits is valid
             run_id = secrets.token_hex(8)
-        id_file.write_text(run_id)
+        safe_files.write_atomic(id_file, run_id)
         self.wandb = wandb.init(
             project=cfg.logger.wandb.project,
             mode=cfg.logger.wandb.mode,
@@ -111,9 +109,9 @@ class MetricsWriter:
                 self.bar.update(self.task, completed=step, info=info)
             elif step % self.log_interval == 0 or step == self.total:
                 log.info(
-                    "step %d/%d | loss %.4f | grad_norm %.3f | lr %.3e | %.0f tok/s | %.2f s/step",
+                    "step %d/%d | loss %.4f | grad_norm %.3f | lr %.3e | %.0f tok/s | %.2f s/step%s",
                     step, self.total, record["loss"], record["grad_norm"], record["lr"],
-                    record["tokens_per_s"], record["step_time_s"],
+                    record["tokens_per_s"], record["step_time_s"], rollout_fields(record),
                 )  # fmt: skip
         else:
             log.info("step %d | eval_loss %.4f", step, record["eval_loss"])
@@ -132,6 +130,15 @@ class MetricsWriter:
                 0 if exc is None else next((c for t, c in codes.items() if isinstance(exc, t)), 1)
             )
             self.wandb.finish(exit_code=code)
+
+
+def rollout_fields(record: dict) -> str:
+    """objective=grpo's part of the step line: the rollout's seconds and the update's apart, and
+    the mean reward on the steps that sampled a rollout."""
+    if "rollout_time_s" not in record:
+        return ""
+    out = f" (rollout {record['rollout_time_s']:.2f} s, update {record['update_time_s']:.2f} s)"
+    return out + (f" | reward {record['reward']:.3f}" if "reward" in record else "")
 
 
 class StepTimer:

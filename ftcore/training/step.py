@@ -24,7 +24,7 @@ from ftcore.data.transfer import pin_host_batches, to_device
 from ftcore.models import moe_routing, rope, target_logits, thd
 from ftcore.models.local import attention, cp_attention
 from ftcore.models.sharding import unwrap
-from ftcore.runtime import cpu
+from ftcore.runtime import collectives, cpu
 from ftcore.runtime import dist as rdist
 
 
@@ -101,7 +101,7 @@ def lm_loss(whole: MicroBatch, mb: MicroBatch, vocab_size: int, rows):
 
 def forward_step(data_iterator, model, make_loss=lm_loss):
     """One micro-batch through this stage's chunk; the loss only on the last stage
-    (`make_loss(whole, mb, vocab, rows)` builds it: the LM loss, or DPO's, training/dpo.py).
+    (`make_loss(whole, mb, vocab, rows)` builds it: the LM loss, DPO's or GRPO's, training/objectives/).
 
     On CPU (local attention) packed documents are kept apart by a block-diagonal causal mask; on
     GPU with Transformer Engine, packed rows go in as THD (cu_seqlens) and plain rows as causal.
@@ -161,7 +161,7 @@ def reduce_sums(values: list[float], contribute: bool) -> list[float]:
         device=rdist.comm_device(),
     )
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
+        collectives.all_reduce(t)
     return t.tolist()
 
 

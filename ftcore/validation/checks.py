@@ -21,7 +21,15 @@ CHOICES = {
     "model.init_method": ("auto", "layout_independent", "sharded"),
     "model.family": tuple(FAMILIES),
     "peft.name": ("none", "lora", "qlora"),
-    "data.format": ("auto", "instruction", "chat", "prompt_completion", "text", "preference"),
+    "data.format": (
+        "auto",
+        "instruction",
+        "chat",
+        "prompt_completion",
+        "text",
+        "preference",
+        "prompt",
+    ),
     "data.truncate": ("right", "drop"),
     "data.on_bad_record": ("error", "skip"),
     "logger.wandb.mode": ("disabled", "offline", "online"),
@@ -150,8 +158,9 @@ def check_sequence(cfg: DictConfig) -> None:
     comm = cp.comm_type(p)
     check_hierarchical_sizes(p)
     problem = cp.layout_problem(
-        m, p.tp, p.cp, comm, cp.hierarchical_sizes(p), thd=cp.thd_under_te(cfg)
-    )
+        m, p.tp, p.cp, comm, cp.hierarchical_sizes(p), thd=cp.thd_under_te(cfg),
+        local=cp.local_on_gpu(cfg),
+    )  # fmt: skip
     if problem:
         field, what, fix = problem
         raise FtcoreError(what, field=field, fix=fix)
@@ -336,6 +345,9 @@ def check_layout(
     from ftcore.data.formats import check_preference
 
     check_preference(cfg)  # preference pairs go with objective=dpo, and it with them
+    from ftcore.data.formats import check_prompts
+
+    check_prompts(cfg)  # prompt-only records go with objective=grpo, and it with them
     from ftcore.validation.moe_checks import check_moe
 
     check_moe(cfg, world_size_of(cfg, launched), training=training)  # ep, etp: docs/moe.md

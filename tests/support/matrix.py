@@ -90,6 +90,15 @@ MAX_WORLD = 4  # two cores: at most two parallel axes at 2 each
 # model.num_experts (hf/config.py); the matrix test checks the MoE runs had it
 DERIVED = {"model.num_experts": "model"}
 
+# values of the training-path switches that are not settings of the table yet, and what tests
+# them meanwhile (tests/unit/test_parity_matrix.py: every value validation accepts is a setting
+# or here)
+ELSEWHERE = {
+    ("objective.name", "grpo"): "tests/multiproc/test_grpo_parity.py: TP=2+SP, PP=2 and DP=2 with "
+    "the distributed optimizer and both overlaps, LoRA, unpacked (GRPO refuses packing, CP, VP, "
+    "MoE and evaluation, so it joins as an objective setting with its own data and no evaluation)",
+}
+
 # pairs ftcore's validation refuses (exit 2): the field its error names, and why. No run holds
 # them; tests/multiproc/test_parity_matrix.py checks each is refused before anything is built.
 DPO_MOE = ("objective", "DPO on a mixture of experts is not built yet")

@@ -27,6 +27,38 @@ def test_every_training_path_switch_is_a_dimension():
     assert missing_switches(matrix.FACTORS) == []
 
 
+def _switch_values() -> dict[str, tuple]:
+    """The values validation accepts for the training-path switches that take a few names."""
+    from ftcore.validation.checks import CHOICES
+    from ftcore.validation.objective import OBJECTIVES
+
+    choices = {**CHOICES, "objective.name": OBJECTIVES}
+    return {k: tuple(choices[k]) for k in training_path_keys() if choices.get(k)}
+
+
+def test_every_value_of_a_named_switch_is_a_setting_or_tested_elsewhere():
+    """A new value of such a switch (objective=grpo) joins the table, or says where it is tested."""
+    from omegaconf import OmegaConf
+
+    from ftcore.config.schema import compose
+
+    base = compose(list(matrix.BASE))
+    seen: dict[str, set] = {}
+    for settings in matrix.FACTORS.values():
+        for overrides in settings.values():
+            for o in overrides:
+                key = next(iter(matrix.override_keys([o])))
+                value = o.split("=", 1)[1]
+                seen.setdefault(key, set()).add(value)
+            for key in _switch_values():  # a setting that leaves the key at the base's value
+                if key not in matrix.override_keys(overrides):
+                    seen.setdefault(key, set()).add(str(OmegaConf.select(base, key)))
+    for key, values in _switch_values().items():
+        for v in values:
+            assert v in seen.get(key, set()) or (key, v) in matrix.ELSEWHERE, (key, v)
+    assert all(v not in seen.get(k, set()) for k, v in matrix.ELSEWHERE), "in the table already"
+
+
 def test_the_switch_test_fails_when_a_dimension_is_removed():
     for factor, lost in (("rows", "data.packing"), ("optimizer", "parallel.overlap_param_gather"),
                          ("model", "model.num_experts")):  # fmt: skip

@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ftcore.data.transfer import to_device
+from ftcore.data.transfer import pin_host_batches, to_device
 from ftcore.models import target_logits
-from ftcore.runtime import cpu
-from ftcore.training import preference
+from ftcore.precision import delayed
+from ftcore.runtime import collectives, cpu
+from ftcore.runtime import dist as rdist
+from ftcore.training.objectives.dpo import loss as preference
 from ftcore.training.step import forward_step, is_loss_rank, reduce_sums, schedule, token_losses
 
 
@@ -37,15 +38,18 @@ class Reference:
     chunks: list | None = None
     ref_adapter: dict | None = None
     policy: list = field(default_factory=list)  # the policy's unwrapped chunks (LoRA)
-    # objective.precompute_ref (training/ref_store.py): [pairs, 2] log-probs by sample id, of the
+    # objective.precompute_ref (objectives/dpo/ref_store.py): [pairs, 2] log-probs by sample id, of the
     # training stream ("train") and the held-out pairs ("val", the batches in `val_batches`)
     tables: dict | None = None
     val_batches: set = field(default_factory=set)
 
-    def stored(self, mb) -> torch.Tensor:
-        """The stored [num_pairs, 2] reference log-probs of a micro-batch's pairs."""
+    def stored(self, mb, device) -> torch.Tensor:
+        """The stored [num_pairs, 2] reference log-probs of a micro-batch's pairs, on `device`:
+        picked from the host table before the schedule and copied without the host waiting
+        (pinned, non-blocking), not inside the loss in the pipeline."""
         table = self.tables["val" if id(mb) in self.val_batches else "train"]
-        return table[list(mb.pair_ids or ())]
+        rows = table[list(mb.pair_ids or ())]
+        return to_device(rows.pin_memory() if pin_host_batches(device) else rows, device)
 
     def context(self, model: list):
         """`model`: the policy's DDP-wrapped chunks (the swap finishes their parameter gather)."""
@@ -61,7 +65,7 @@ class Reference:
 def build_reference(cfg, chunks: list, precompute: bool = False) -> Reference:
     """Before DDP and resume (trainer.setup): LoRA's reference lives in the policy; full
     fine-tuning's is a frozen copy of the policy's starting weights, sharded like it, or (with
-    `precompute`, training/ref_store.py) the policy itself for the one pass before training."""
+    `precompute`, objectives/dpo/ref_store.py) the policy itself for the one pass before training."""
     if cfg.peft.name != "none":
         ref_adapter = None
         if cfg.objective.ref_adapter_path:
@@ -91,7 +95,7 @@ class _CpSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         x = x.clone()
-        dist.all_reduce(x, group=ps.get_context_parallel_group())
+        collectives.all_reduce(x, group=ps.get_context_parallel_group())
         return x
 
     @staticmethod
@@ -111,7 +115,7 @@ def pair_sums(whole, mb, vocab_size: int, rows, output: torch.Tensor):
     sums, counts = preference.sequence_sums(logps, index, side, whole.num_pairs)
     if ps.get_context_parallel_world_size() > 1:
         sums = _CpSum.apply(sums)
-        dist.all_reduce(counts, group=ps.get_context_parallel_group())
+        collectives.all_reduce(counts, group=ps.get_context_parallel_group())
     return sums, counts
 
 
@@ -126,6 +130,20 @@ def _reference_loss(store: dict, whole, mb, vocab_size: int, rows):
     return loss
 
 
+def reference_step(cfg, store: dict):
+    """The schedule's step for a reference forward (under no_grad): forward_step storing each
+    micro-batch's pair sums in `store`, then the FP8 delayed-scaling update TE's autocast exit
+    skips without grad (precision/delayed.py; a no-op for other recipes)."""
+    step = partial(forward_step, make_loss=partial(_reference_loss, store))
+
+    def run(*args, **kwargs):
+        out = step(*args, **kwargs)
+        delayed.update_after_no_grad_forward(cfg)
+        return out
+
+    return run
+
+
 def _policy_loss(obj, store: dict, whole, mb, vocab_size: int, rows):
     def loss(output):
         with cpu.mode_suspended():
@@ -135,7 +153,8 @@ def _policy_loss(obj, store: dict, whole, mb, vocab_size: int, rows):
             first = ps.get_context_parallel_rank() == 0  # the CP ranks hold the same sums
             pairs = len(losses) if first else 0
             stats = torch.cat([
-                torch.stack([losses.detach().sum(), losses.new_tensor(float(pairs)),
+                # new_full fills on the device; new_tensor would copy from the host and wait
+                torch.stack([losses.detach().sum(), losses.new_full((), float(pairs)),
                              counts.sum()]),
                 preference.metric_sums(obj, sums, ref),
             ]) * float(first)  # fmt: skip
@@ -158,10 +177,11 @@ def run_pairs(state, microbatches: list, *, forward_only: bool, timers=None) -> 
     obj = preference.Objective.of(state.cfg)
     store: dict = {}
     if ref.tables is not None:  # objective.precompute_ref: no reference forward
-        store = {id(mb): ref.stored(mb) for mb in microbatches}
+        dev = rdist.comm_device()  # the model's device (cuda:<local rank>, or the CPU)
+        store = {id(mb): ref.stored(mb, dev) for mb in microbatches}
     else:
         with torch.no_grad(), ref.context(state.model):
-            step = partial(forward_step, make_loss=partial(_reference_loss, store))
+            step = reference_step(state.cfg, store)
             schedule(state, microbatches, forward_only=True, step=step, model=ref.chunks)
     step = partial(forward_step, make_loss=partial(_policy_loss, obj, store))
     out = schedule(state, microbatches, forward_only=forward_only, timers=timers, step=step)
