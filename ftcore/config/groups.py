@@ -5,12 +5,35 @@ name. Composition itself, and its errors, are in ftcore.config.schema.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import MISSING
 
 from ftcore.config.k8s import K8sConfig
+
+TRAINING_PATH = "training_path"  # the field metadata `switch` sets
+
+
+def switch(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING) -> Any:
+    """A key that changes the training path (which code runs, not only how fast or where): every
+    such key is a dimension of the parity matrix (tests/support/matrix.py), which runs its values
+    crossed with every layout against the one-process run, and docs/parallelism.md lists it. A new
+    key that changes what runs is declared with `switch(...)`: the matrix test then fails until
+    the table has it (docs/parallelism.md, "How a feature joins the matrix")."""
+    return field(default=default, default_factory=factory, metadata={TRAINING_PATH: True})
+
+
+def training_path_keys(node: type | None = None, prefix: str = "") -> list[str]:
+    """The dotted keys declared with `switch`, in schema order."""
+    out = []
+    for f in dataclasses.fields(node or FtcoreConfig):
+        if f.metadata.get(TRAINING_PATH):
+            out.append(prefix + f.name)
+        elif dataclasses.is_dataclass(f.default_factory):
+            out += training_path_keys(f.default_factory, f"{prefix}{f.name}.")
+    return out
 
 
 @dataclass
@@ -83,7 +106,7 @@ class ModelConfig:
     # and tests that need no real weights
     allow_random_base: bool = False
     # mixture of experts (docs/moe.md); None = a dense model
-    num_experts: Optional[int] = None
+    num_experts: Optional[int] = switch(None)
     moe_ffn_hidden_size: Optional[int] = None  # per expert (HF moe_intermediate_size)
     moe_router_topk: int = 2  # experts per token
     moe_norm_topk_prob: bool = True  # the top-k probabilities renormalised to sum to 1
@@ -120,10 +143,10 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
-    vp: int = 1  # virtual stages per pipeline rank (1 = no interleaving)
-    cp: int = 1
+    tp: int = switch(1)
+    pp: int = switch(1)
+    vp: int = switch(1)  # virtual stages per pipeline rank (1 = no interleaving)
+    cp: int = switch(1)
     # how Transformer Engine's attention exchanges K/V across the CP group on GPU (megatron's
     # cp_comm_type): p2p | all_gather | a2a | a2a+p2p (docs/context_parallel.md). The CPU path is
     # all-gather.
@@ -131,23 +154,23 @@ class ParallelConfig:
     # a2a+p2p only: [all-to-all group, ring] sizes, product = cp (megatron's
     # hierarchical_context_parallel_sizes): all-to-all inside a node, the ring across nodes
     hierarchical_cp_sizes: Optional[list[int]] = None
-    sp: bool = False  # sequence parallel, only with tp > 1
-    distributed_optimizer: bool = False
-    recompute: str = "none"  # none | selective | full
+    sp: bool = switch(False)  # sequence parallel, only with tp > 1
+    distributed_optimizer: bool = switch(False)
+    recompute: str = switch("none")  # none | selective | full
     # selective: what is recomputed (megatron's recompute_modules): core_attn | mlp | layernorm
     recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
     recompute_num_layers: int = 1  # full: layers per recomputed block (uniform method)
     # communication overlap (docs/gpu_speed.md): DP gradient reduce per bucket during the backward;
     # with the distributed optimizer, the parameter all-gather per bucket during the next forward
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
+    overlap_grad_reduce: bool = switch(False)
+    overlap_param_gather: bool = switch(False)
     # interleaved pipeline (pp > 1, vp > 1; a no-op elsewhere): sends/receives left in flight
     # during compute (batch_p2p_comm off)
-    overlap_p2p_comm: bool = False
+    overlap_p2p_comm: bool = switch(False)
     # GPU: TP/SP collectives split and hidden behind the GEMMs by TE userbuffers (with tp > 1:
     # needs parallel.sp, TE and fixed sequence shapes; a no-op at tp = 1)
     tp_comm_overlap: bool = False
-    ep: int = 1  # expert parallel: each rank holds num_experts / ep experts (MoE only)
+    ep: int = switch(1)  # expert parallel: each rank holds num_experts / ep experts (MoE only)
     etp: int = 1  # expert tensor parallel: TP inside each expert (Megatron-Bridge's default 1)
 
 
@@ -242,7 +265,7 @@ class LoggerConfig:
 
 @dataclass
 class PeftConfig:
-    name: str = "none"  # none | lora | qlora
+    name: str = switch("none")  # none | lora | qlora
     r: int = 16
     lora_alpha: float = 32.0
     lora_dropout: float = 0.0
@@ -271,19 +294,19 @@ class ObjectiveConfig:
     definitions; docs/preference.md) or grpo (online RL on prompts, TRL 1.16's GRPOTrainer;
     docs/grpo.md)."""
 
-    name: str = "sft"  # sft | dpo | grpo
+    name: str = switch("sft")  # sft | dpo | grpo
     # dpo: the KL strength (TRL's beta); grpo: the k3 KL penalty to the reference (0: none)
     beta: float = 0.1
     # dpo: a list of TRL's loss names (sigmoid, ipo, hinge, sft), summed with loss_weights (null:
     # 1.0 each); grpo: one name (grpo, dapo, dr_grpo, bnpo)
-    loss_type: Any = field(default_factory=lambda: ["sigmoid"])
+    loss_type: Any = switch(factory=lambda: ["sigmoid"])
     loss_weights: Optional[list[float]] = None
     label_smoothing: float = 0.0  # dpo, sigmoid only (conservative DPO), in [0, 0.5)
     # dpo with LoRA: the reference is the base plus this adapter, and the policy starts from it
-    ref_adapter_path: Optional[str] = None
+    ref_adapter_path: Optional[str] = switch(None)
     # dpo: reference log-probs from a first pass over the data, stored per pair in run.dir (full
     # fine-tuning: no frozen copy; LoRA: no forward without adapters per step)
-    precompute_ref: bool = False
+    precompute_ref: bool = switch(False)
     # grpo (TRL's GRPOConfig names): completions sampled per prompt; train.global_batch_size
     # counts completions, so a step takes global_batch_size / num_generations prompts
     num_generations: int = 8
@@ -332,7 +355,7 @@ class DataConfig:
     # text | preference (prompt/chosen/rejected pairs, for objective=dpo: docs/preference.md)
     format: str = "auto"
     seq_len: int = 256
-    packing: bool = False
+    packing: bool = switch(False)
     # packing places each document at its length rounded up to this (only to decide the rows; no
     # token is padded at cp=1), so the rows are the same at every cp with 2*cp dividing it: 16 up
     # to cp=8 (docs/context_parallel.md)

@@ -10,6 +10,7 @@ shapes), so tensors are appended one at a time and never held together.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -252,7 +253,12 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
         take = getattr(p, "take_whole", None)  # QLoRA's NF4 linears (models/nf4.py), on meta
         whole = take is not None or _quantized(p)
         device = getattr(p, "whole_device", p.device)
-        dst = torch.empty(p.shape, dtype=p.dtype, device=device) if whole else p
+        shape = p.shape
+        window = getattr(p, "nf4_cols", None)  # NF4: the whole blocks around a row shard's columns
+        if window is not None:
+            pieces = [dataclasses.replace(x, cols=window) for x in pieces]
+            shape = (p.shape[0], window[1] - window[0])
+        dst = torch.empty(shape, dtype=p.dtype, device=device) if whole else p
         row = _fill_rows(st, name, dst, pieces, field)
         if row != p.shape[0]:
             raise FtcoreError(

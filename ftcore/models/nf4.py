@@ -8,7 +8,14 @@ where to assemble it. The loader reads each shard, hands it whole to `quantize_`
 a rank holds the NF4 base plus one full-precision shard at a time. A randomly initialised base
 (no weights source) is built in full precision and quantised afterwards (`quantize_linear`).
 
-Each TP rank quantises its own shard. The forward dequantises the shard to the compute dtype
+Each TP rank quantises its own shard, in the blocks one process would use: NF4 blocks are 64
+consecutive values of a weight's rows, so a row-parallel shard whose columns do not start and end
+on a block (ffn 704 at TP=2: 352 columns) is quantised as the slab of whole blocks around it
+(`window`, read whole by the loader: at most a block more per row on each side) and sliced after
+dequantising. Every element then has its one-process absmax, so TP changes nothing (with
+double quantisation off: its groups of 256 block constants follow the shard). A width that is not
+a whole number of blocks at all is refused at TP > 1 (peft/config.py), where no slab can help.
+The forward dequantises the shard to the compute dtype
 (fp32/bf16) and does what megatron's linear does around the GEMM: column-parallel input copied into
 the TP region (all-gathered along the sequence with SP), row-parallel output all-reduced
 (reduce-scattered along the sequence with SP). The weight gets no gradient; the input does, so
@@ -28,7 +35,7 @@ from torch import nn
 from ftcore.errors import FtcoreError
 
 log = logging.getLogger("ftcore")
-BLOCKSIZE = 64
+BLOCKSIZE = 64  # peft/config.py's NF4_BLOCK (torch-free) says the same
 
 
 def _bnb():
@@ -40,12 +47,21 @@ def _bnb():
     return bnbf
 
 
+def block_window(width: int, tp: int, tp_rank: int) -> tuple[int, int] | None:
+    """The full weight's columns [a, b) whose whole NF4 blocks hold a row-parallel shard's columns
+    (width each, TP rank tp_rank of tp), or None where the shard is whole blocks itself."""
+    c0, c1 = tp_rank * width, (tp_rank + 1) * width
+    a, b = c0 // BLOCKSIZE * BLOCKSIZE, -(-c1 // BLOCKSIZE) * BLOCKSIZE
+    return None if (a, b) == (c0, c1) else (a, min(b, width * tp))
+
+
 class NF4ParallelLinear(nn.Module):
     """A frozen NF4 megatron ColumnParallelLinear/RowParallelLinear (no bias).
 
     Until `quantize_` it holds only `weight` on meta (shape, dtype, TP attributes of the shard;
-    `whole_device` and `take_whole` tell the loader where to assemble the shard and whom to give it);
-    afterwards only `qweight`, the packed NF4 shard."""
+    `whole_device` and `take_whole` tell the loader where to assemble the shard and whom to give it,
+    `nf4_cols` which columns of the full weight to read: `window`); afterwards only `qweight`, the
+    packed NF4 shard (or slab)."""
 
     def __init__(self, shape, dtype, device, *, column: bool, sp: bool, double_quant: bool):
         super().__init__()
@@ -53,16 +69,32 @@ class NF4ParallelLinear(nn.Module):
         self.dtype, self.shape, self.device = dtype, tuple(shape), torch.device(device)
         self.quant_state = None
         self.register_parameter("qweight", None)
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.window = None
+        if not column and tp > 1:
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            self.window = block_window(self.shape[1], tp, rank)
+            self.offset = rank * self.shape[1] - self.window[0] if self.window else 0
         w = nn.Parameter(torch.empty(self.shape, dtype=dtype, device="meta"), requires_grad=False)
         set_tensor_model_parallel_attributes(w, True, 0 if column else 1, 1)
-        w.whole_device, w.take_whole = self.device, self.quantize_
+        w.whole_device, w.take_whole, w.nf4_cols = self.device, self.quantize_, self.window
         self.weight = w
+
+    @property
+    def stored_shape(self) -> tuple[int, int]:
+        """What is quantised: the shard, or the slab of whole blocks around it."""
+        if self.window is None:
+            return self.shape
+        return (self.shape[0], self.window[1] - self.window[0])
 
     @torch.no_grad()
     def quantize_(self, w: torch.Tensor) -> None:
-        """Store `w` (this rank's whole shard) as NF4 and drop the placeholder weight."""
-        if tuple(w.shape) != self.shape:
-            raise RuntimeError(f"NF4 linear of shape {self.shape} handed {tuple(w.shape)}")
+        """Store `w` (this rank's whole shard, or the slab `window` of the full weight) as NF4
+        and drop the placeholder weight."""
+        if w.is_meta and tuple(w.shape) == self.shape:  # a dry build: nothing to read
+            w = torch.empty(self.stored_shape, dtype=w.dtype, device="meta")
+        if tuple(w.shape) != self.stored_shape:
+            raise RuntimeError(f"NF4 linear of shape {self.stored_shape} handed {tuple(w.shape)}")
         placeholder = self._parameters.pop("weight")
         bnbf = _bnb()
         if w.is_meta and self.double_quant and "dynamic" not in bnbf.name2qmap:
@@ -74,7 +106,7 @@ class NF4ParallelLinear(nn.Module):
             quant_type="nf4",
         )  # fmt: skip
         q = nn.Parameter(packed, requires_grad=False)
-        q.logical_numel = w.numel()  # what the model has, for the trainable count
+        q.logical_numel = self.shape[0] * self.shape[1]  # what the model has, for the count
         q.tensor_model_parallel = placeholder.tensor_model_parallel
         q.partition_dim = placeholder.partition_dim
         self.qweight = q
@@ -89,12 +121,11 @@ class NF4ParallelLinear(nn.Module):
                 self._parameters["weight"] = placeholder
 
     def weight_fp(self) -> torch.Tensor:
-        return (
-            _bnb()
-            .dequantize_4bit(self.qweight.data, self.quant_state)
-            .to(self.dtype)
-            .view(self.shape)
-        )
+        w = _bnb().dequantize_4bit(self.qweight.data, self.quant_state).to(self.dtype)
+        w = w.view(self.stored_shape)
+        if self.window is not None:
+            w = w[:, self.offset : self.offset + self.shape[1]]
+        return w
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
         if self.qweight is None:
@@ -180,6 +211,10 @@ def quantize_linear(base: nn.Module, *, double_quant: bool, sp: bool) -> nn.Modu
     w = base.weight.detach()
     m = NF4ParallelLinear(w.shape, w.dtype, w.device, column=isinstance(base, ColumnParallelLinear),
                           sp=sp, double_quant=double_quant)  # fmt: skip
+    if m.window is not None and not w.is_meta:  # the slab's other columns live on TP neighbours
+        full = tensor_parallel.gather_from_tensor_model_parallel_region(w)
+        w = full[:, m.window[0] : m.window[1]].contiguous()
+        del full
     m.quantize_(w)
     m.qweight.tensor_model_parallel = bool(getattr(base.weight, "tensor_model_parallel", False))
     m.qweight.partition_dim = getattr(base.weight, "partition_dim", -1)

@@ -330,5 +330,29 @@ def check_config(cfg: DictConfig) -> None:
     from ftcore.peft.moe_format import check_moe_targets
 
     check_moe_targets(cfg, s.targets, plan_targets(s.targets, cfg.model))
+    check_nf4_blocks(cfg)
     if s.adapter_path:
         check_adapter_fits(s.adapter_path, cfg.model)
+
+
+NF4_BLOCK = 64  # values per NF4 block (bitsandbytes' blocksize in models/nf4.py)
+
+
+def check_nf4_blocks(cfg: DictConfig) -> None:
+    """QLoRA at TP > 1 quantises each shard in the blocks one process uses (models/nf4.py); that
+    needs every quantised linear's input width (its rows) to be whole blocks, or one process's
+    blocks cross rows that TP puts on different ranks."""
+    if cfg.peft.name != "qlora" or cfg.parallel.tp == 1:
+        return
+    m, tp = cfg.model, cfg.parallel.tp
+    head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+    widths = {"q/k/v_proj and gate/up_proj (model.hidden_size)": m.hidden_size,
+              "o_proj (heads x head dim)": m.num_attention_heads * head_dim,
+              "down_proj (model.ffn_hidden_size)": m.ffn_hidden_size}  # fmt: skip
+    for what, width in widths.items():
+        if width % NF4_BLOCK:
+            raise FtcoreError(
+                f"QLoRA at parallel.tp={tp}: the input width of {what} is {width}, not a multiple "
+                f"of the {NF4_BLOCK}-value NF4 blocks, so the TP shards cannot quantise as one "
+                "process does", field="parallel.tp", fix="parallel.tp=1 for QLoRA on this model, or peft=lora",
+            )  # fmt: skip

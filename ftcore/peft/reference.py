@@ -43,10 +43,23 @@ def snapshot(chunks) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def adapter_swapped(chunks, weights: dict[str, torch.Tensor]):
-    """The adapters hold `weights` while inside, their own values again after (copied in place:
-    DDP's and the distributed optimizer's buffers keep viewing the same storage)."""
-    params = _adapter_params(chunks)
+def adapter_swapped(model, weights: dict[str, torch.Tensor]):
+    """The adapters of `model` (the DDP-wrapped chunks) hold `weights` while inside, their own
+    values again after (copied in place: DDP's and the distributed optimizer's buffers keep viewing
+    the same storage).
+
+    The copies read and write whole parameters, so every rank's parameters must be whole and
+    current on both sides of the swap. With the distributed optimizer's overlapped parameter
+    gather, megatron leaves each bucket's all-gather of the other ranks' updated shards to the next
+    forward's pre-hook: swapping before it would save (and later restore) the other shards' stale
+    values, and the reference forward would consume the gather the policy's forward needs. So the
+    pending gathers are finished first, and again before the swap back (a gather the schedule
+    started during the reference forward, under interleaving, must not land on the restored
+    values). A no-op without overlap_param_gather."""
+    from ftcore.models.builder import params_current
+
+    params = _adapter_params(model)
+    params_current(model)
     with torch.no_grad():
         saved = [p.detach().clone() for _, p in params]
         for n, p in params:
@@ -54,6 +67,7 @@ def adapter_swapped(chunks, weights: dict[str, torch.Tensor]):
     try:
         yield
     finally:
+        params_current(model)
         with torch.no_grad():
             for (_, p), s in zip(params, saved, strict=True):
                 p.copy_(s)

@@ -43,11 +43,28 @@ def build_optimizer(cfg: DictConfig, model: list, *, gloo_groups: bool = True):
     foreach_grads.install()  # megatron without TE/Apex: no host read per gradient
     with cpu.device_mode():
         optimizer = get_megatron_optimizer(config, model, use_gloo_process_groups=gloo_groups)
+    expert_norm_over_expert_tp(optimizer)
     if cpu.is_active():
         cpu.fused_adam(optimizer)
         cpu.no_dynamo_step(optimizer)
         optimizer.ftcore_grad_buffers = grad_buffers(model, optimizer)
     return optimizer
+
+
+def expert_norm_over_expert_tp(optimizer) -> None:
+    """The expert parameters' optimizer counts a replicated gradient in the norm once per expert
+    TP group, not once per dense TP group.
+
+    megatron counts a parameter in the gradient norm where it is `tensor_model_parallel` or where
+    the optimizer's `tp_group` rank is 0, and sets `tp_group` to the dense TP group for the expert
+    optimizer too. Its own expert weights are all `tensor_model_parallel`, so that never matters
+    there; expert adapters have factors replicated over the expert TP group (peft/experts.py), and
+    at ep x tp (etp 1) the experts of the dense TP ranks other than 0 were left out of the norm
+    (and of the clipping that uses it). Their own TP group is the expert TP group."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        groups = getattr(getattr(opt, "optimizer", None), "param_groups", None) or []
+        if groups and all(g.get("is_expert_parallel", False) for g in groups):
+            opt.tp_group = parallel_state.get_expert_tensor_parallel_group()
 
 
 def grad_buffers(model: list, optimizer) -> list[torch.Tensor] | None:

@@ -196,7 +196,6 @@ def schedule(
 ) -> list:
     """megatron's schedule over one global batch: `step` per micro-batch through `model`'s chunks
     (default the trained ones); the loss functions' outputs of this rank's last stage."""
-    cfg = state.cfg
     model = model or state.model
     config = model[0].config
     config.timers = timers
@@ -207,8 +206,10 @@ def schedule(
                 data_iterator=microbatch_iterators(microbatches, len(model)),
                 model=model if len(model) > 1 else model[0],
                 num_microbatches=len(microbatches),
-                seq_length=microbatches[0].tokens.shape[1],  # seq_len, or less when trimmed
-                micro_batch_size=cfg.train.micro_batch_size,
+                # the pipeline's send/receive shape: what the micro-batches hold (seq_len or
+                # less when trimmed; rows: 2 per pair for unpacked DPO, not train.micro_batch_size)
+                seq_length=microbatches[0].tokens.shape[1],
+                micro_batch_size=microbatches[0].tokens.shape[0],
                 forward_only=forward_only,
             )
     finally:

@@ -303,7 +303,11 @@ def check_for_launch(cfg: DictConfig, world: int, *, training: bool = True) -> i
     checked = copy.deepcopy(cfg)
     adapt(checked, training=training, say=False)  # the workers adapt their own copy (and log it)
     preflight.check_inputs(checked)  # before the merge: a missing model.hf_path is named as missing
-    return check_layout(with_hf_shapes(checked), world, training=training)
+    merged = with_hf_shapes(checked)
+    from ftcore.validation.objective import check_objective
+
+    check_objective(merged)  # again with the HF model's kind: no DPO on a MoE checkpoint
+    return check_layout(merged, world, training=training)
 
 
 def with_hf_shapes(cfg: DictConfig) -> DictConfig:

@@ -6,6 +6,9 @@ NOT RUN without two GPUs (and, for the TE cases, Transformer Engine).
   in FP32 to 1e-4 per step, TE's layers in BF16 to 2 %.
 - CP=2 on packed rows with TE (item 10; THD with cu_seqlens_padded and the host's
   pad_between_seqs, item 8): the same tokens every step as cp=1, losses to 2 % (BF16).
+- Issue 50 item 3: DPO against a reference adapter with the distributed optimizer and both
+  overlaps at DP=2 (the swap finishes the overlapped parameter gather first): the one-GPU losses
+  and rewards/margins, megatron's local layers in FP32, to 1e-4.
 """
 
 from __future__ import annotations
@@ -65,3 +68,19 @@ def test_cp2_packed_te_trains_cp1_rows(tmp_path):
     need_te()
     ref = _train(tmp_path, *CP_PACKED)
     _close(_train(tmp_path, *CP_PACKED, "parallel.cp=2", gpus=2), ref, 2e-2)
+
+
+def test_dpo_reference_adapter_overlapped_param_gather_dp2(tmp_path):
+    need_gpus(2)
+    fp32 = ("precision=fp32", "precision.te_layers=false")
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    _train(sft, *LORA, *fp32)  # its hf_adapter/ is the reference adapter
+    adapter = next(sft.iterdir()) / "hf_adapter"
+    dpo = ("objective=dpo", "data.format=preference", f"objective.ref_adapter_path={adapter}",
+           "sched.warmup_steps=0", *LORA, *fp32)  # fmt: skip
+    ref = _train(tmp_path, *dpo)
+    got = _train(tmp_path, *dpo, *OVERLAP, gpus=2)
+    _close(got, ref, 1e-4)
+    for g, r in zip(got, ref):  # beta x a difference of two log-prob sums of ~40
+        assert abs(g["rewards/margins"] - r["rewards/margins"]) <= 1e-4 * 0.1 * 40, (g, r)

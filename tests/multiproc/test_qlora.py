@@ -1,13 +1,14 @@
 """QLoRA against its oracle and its memory promise.
 
 - transformers + bitsandbytes 4-bit (NF4, fp32 compute) + PEFT with the same adapter is the oracle:
-  ftcore's QLoRA at TP=1 and TP=2 gives its logits and loss. Tolerance 1e-5 relative (fp32): the
-  model's dims put every 64-value NF4 block inside one row of every TP shard (in_features/tp is a
-  multiple of 64), so each rank quantises exactly the blocks bitsandbytes quantises in the HF model
-  and the dequantised weights are bit-identical; what remains is fp32 summation order (fused GEMMs,
-  TP reductions), ~1e-6. Double quantisation is off here: it quantises the block constants in groups
-  of 256 blocks, which fused/sharded layers group differently (a real, small difference, not a bug).
-- QLoRA trains at TP=2 with TP=1's losses.
+  ftcore's QLoRA at TP=1 and TP=2 gives its logits and loss. Tolerance 1e-5 relative (fp32). The
+  row-parallel shards at TP=2 are not whole 64-value NF4 blocks (o_proj 96 columns, down_proj
+  160): each rank quantises the slab of whole blocks around its shard, as bitsandbytes quantises
+  the HF model (models/nf4.py), so the dequantised weights are bit-identical; what remains is fp32
+  summation order (fused GEMMs, TP reductions), ~1e-6. Double quantisation is off here: it
+  quantises the block constants in groups of 256 blocks, which fused/sharded layers group
+  differently (a real, small difference, not a bug). Training at TP=2 against TP=1 is a run of
+  the parity matrix (tests/support/matrix.py) on the bundled tiny base.
 - Loading never holds the full-precision base: on a medium random model the peak resident memory
   from the model build to the adapters (build, load, quantise, adapters) stays well under the size
   of its full-precision linears.
@@ -25,8 +26,9 @@ from tests.support.hf_helpers import compose_hf, load_case, make_tiny_hf, tokens
 RTOL = 1e-5
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 QLORA = ["peft=qlora", "peft.double_quant=false"]
-# head_dim 32: o_proj's input at TP=2 is 64 wide, down_proj's 128; q/k/v, gate/up read 128
-DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+# head_dim 32: at TP=2 o_proj's input shard is 96 wide and down_proj's 160 (1.5 and 2.5 NF4
+# blocks); q/k/v and gate/up read the whole 192
+DIMS = dict(hidden_size=192, intermediate_size=320, num_attention_heads=6, num_key_value_heads=2)
 
 
 @torch.no_grad()
@@ -76,18 +78,6 @@ def _loss(logits: torch.Tensor, x: torch.Tensor) -> float:
     return F.cross_entropy(logits[:, :-1].double().flatten(0, 1), x[:, 1:].flatten()).item()
 
 
-def train_case(hf_dir: str, run_dir: str, overrides: list[str]) -> list[float]:
-    from megatron.core import parallel_state as ps
-
-    from ftcore.training import trainer
-    from tests.support.layouts import SyntheticLoader
-
-    cfg = compose_hf(hf_dir, run_dir, overrides)
-    state = trainer.setup(cfg, data=False)
-    state.loader = SyntheticLoader(cfg, ps.get_data_parallel_rank(), state.dp, 2048)
-    return [trainer.train_step(state)["loss"] for _ in range(3)]
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("qlora")
@@ -134,18 +124,6 @@ def test_qlora_double_quant_stays_close_to_bitsandbytes(pool2, tiny, tmp_path):
     print(f"double quant tp=2: logits rel {rel:.1e} (double quant moves bnb's by {effect:.1e}), "
           f"loss rel {loss_rel:.1e}")  # fmt: skip
     assert rel <= 2 * effect and loss_rel <= 1e-3
-
-
-@pytest.mark.dist
-def test_qlora_trains_at_tp2_with_tp1_losses(pool1, pool2, tiny, tmp_path):
-    over = [*QLORA, "peft.r=4", "peft.lora_alpha=8", "optim.lr=1e-2", "sched.warmup_steps=0",
-            f"peft.target_modules=[{','.join(ALL7)}]"]  # fmt: skip
-    one = pool1.run(train_case, tiny["hf"], str(tmp_path / "tp1"), over)[0]
-    two = pool2.run(train_case, tiny["hf"], str(tmp_path / "tp2"), [*over, "parallel.tp=2"])
-    assert two[0] == two[1]
-    assert one[-1] < one[0]
-    rel = max(abs(a - b) / b for a, b in zip(two[0], one))
-    assert rel <= RTOL, f"TP=2 losses {two[0]} vs TP=1 {one} ({rel:.1e})"
 
 
 def setup_peak_case(hf_dir: str, run_dir: str) -> dict:

@@ -4,6 +4,7 @@ it assembles it (hf/io.py), leaving only the packed NF4 data."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ftcore.config.schema import compose
@@ -74,3 +75,43 @@ def test_a_dry_build_on_meta_leaves_later_quantisation_working(monkeypatch):
     w = torch.randn(64, 128)
     real.quantize_(w)
     assert (real.weight_fp() - w).abs().max() < 0.25 * w.abs().max()  # NF4's error, not garbage
+
+
+def test_a_row_shard_quantises_in_the_one_process_blocks():
+    """The tiny base's down_proj at TP=2: 352 columns a shard, 5.5 NF4 blocks. Quantising the
+    shard alone puts other values in its blocks than one process does (the bug); the slab of whole
+    blocks around it (`block_window`), sliced after dequantising, gives every value bit for bit."""
+    import bitsandbytes.functional as bnbf
+
+    from ftcore.models.nf4 import BLOCKSIZE, block_window
+
+    def nf4(w):
+        packed, state = bnbf.quantize_4bit(w.contiguous(), blocksize=BLOCKSIZE, quant_type="nf4")
+        return bnbf.dequantize_4bit(packed, state).view(w.shape)
+
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(256, 704, generator=g) * torch.linspace(0.1, 3.0, 704)  # blocks differ
+    whole = nf4(full)
+    assert block_window(704 // 2, 2, 0) == (0, 384) and block_window(704 // 2, 2, 1) == (320, 704)
+    assert block_window(128, 2, 1) is None  # a shard of whole blocks is quantised as it is
+    alone = nf4(full[:, 352:])
+    assert not torch.equal(alone, whole[:, 352:])
+    for rank in range(2):
+        a, b = block_window(352, 2, rank)
+        c0 = rank * 352
+        got = nf4(full[:, a:b])[:, c0 - a : c0 - a + 352]
+        assert torch.equal(got, whole[:, c0 : c0 + 352]), rank
+
+
+def test_qlora_at_tp2_refuses_an_input_width_of_partial_blocks():
+    from ftcore.errors import FtcoreError
+    from ftcore.peft.config import check_config
+
+    ok = compose([*QLORA, "model.ffn_hidden_size=704", "parallel.tp=2"])
+    check_config(ok)
+    bad = compose([*QLORA, "model.ffn_hidden_size=704", "model.hidden_size=96", "parallel.tp=2"])
+    with pytest.raises(FtcoreError) as e:
+        check_config(bad)
+    assert e.value.field == "parallel.tp" and "is 96" in str(e.value), str(e.value)
+    assert "parallel.tp=1" in str(e.value)
+    check_config(compose([*QLORA, "model.hidden_size=96"]))  # one process: one layout, no shards

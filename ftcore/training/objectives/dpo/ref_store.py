@@ -62,7 +62,7 @@ def _pass(state, ref, batches, table: torch.Tensor) -> None:
     owner = is_loss_rank() and ps.get_context_parallel_rank() == 0
     for microbatches in batches:
         store: dict = {}
-        with torch.no_grad(), ref.context():
+        with torch.no_grad(), ref.context(state.model):
             step = reference_step(state.cfg, store)
             schedule(state, microbatches, forward_only=True, step=step, model=ref.chunks)
         if owner:

@@ -51,13 +51,14 @@ class Reference:
         rows = table[list(mb.pair_ids or ())]
         return to_device(rows.pin_memory() if pin_host_batches(device) else rows, device)
 
-    def context(self):
+    def context(self, model: list):
+        """`model`: the policy's DDP-wrapped chunks (the swap finishes their parameter gather)."""
         from ftcore.peft import reference as peft_ref
 
         if self.chunks is not None:
             return contextlib.nullcontext()
         if self.ref_adapter is not None:
-            return peft_ref.adapter_swapped(self.policy, self.ref_adapter)
+            return peft_ref.adapter_swapped(model, self.ref_adapter)
         return peft_ref.adapters_off(self.policy)
 
 
@@ -179,7 +180,7 @@ def run_pairs(state, microbatches: list, *, forward_only: bool, timers=None) -> 
         dev = rdist.comm_device()  # the model's device (cuda:<local rank>, or the CPU)
         store = {id(mb): ref.stored(mb, dev) for mb in microbatches}
     else:
-        with torch.no_grad(), ref.context():
+        with torch.no_grad(), ref.context(state.model):
             step = reference_step(state.cfg, store)
             schedule(state, microbatches, forward_only=True, step=step, model=ref.chunks)
     step = partial(forward_step, make_loss=partial(_policy_loss, obj, store))

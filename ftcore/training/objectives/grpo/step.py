@@ -104,7 +104,7 @@ def _logps_pass(state, batch, store: dict, ref=None) -> None:
     make = partial(_store_loss, store, s.temperature, batch)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.no_grad(), torch.random.fork_rng(devices=devices):
-        with ref.context() if ref is not None else contextlib.nullcontext():
+        with ref.context(state.model) if ref is not None else contextlib.nullcontext():
             schedule(state, batch.microbatches, forward_only=True,
                      step=partial(forward_step, make_loss=make),
                      model=ref.chunks if ref is not None else None)  # fmt: skip
