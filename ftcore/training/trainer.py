@@ -218,14 +218,17 @@ def train_step(state: TrainState) -> dict:
         # applies them (clipping skips a NaN norm), poisoning the weights a skip should protect.
         found_inf = state.optimizer.prepare_grads()
         norm = float("nan") if found_inf else optim.grad_norm(state.optimizer)
+        # this step's lr: step k applies the schedule at k (optim.build_scheduler), so the first
+        # step of a warm-up trains, and the lr the step line logs is the one this update used
+        state.scheduler.step(increment=1)
         if not math.isfinite(norm) or not optim.step_with_norm(state.optimizer, norm):
+            state.scheduler.step(increment=-1)  # a skipped step takes no step of the schedule
             return {
                 "loss": loss,
                 "grad_norm": norm,
                 "skipped": True,
                 "target_tokens": target_tokens,
             }
-    state.scheduler.step(increment=1)
     (tokens,) = reduce_sums([float(sum(mb.num_tokens for mb in microbatches))], is_data_rank())
     state.consumed_samples += cfg.train.global_batch_size
     return {
