@@ -1,9 +1,11 @@
-"""Where records come from: JSONL/JSON/Parquet files, directories of them, and Hugging Face datasets.
+"""Where records come from: JSONL/JSON/CSV/Parquet files, directories of them, and Hugging Face
+datasets.
 
 Every record comes with where it was found ("file:line" or "file:row"), so a bad one can be named.
 JSON and JSONL are parsed here line by line (a malformed line or invalid UTF-8 is reported with its
-line number, which Arrow's JSON reader cannot do); Parquet, `save_to_disk` directories and datasets
-in the local Hugging Face cache go through `datasets`, offline.
+line number, which Arrow's JSON reader cannot do); CSV by the standard library's reader, row by
+row, every cell a string; Parquet, `save_to_disk` directories and datasets in the local Hugging
+Face cache go through `datasets`, offline.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 from ftcore.errors import FtcoreError
 
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 # Bounds on one record (docs/data.md): beyond them it is a bad record (skipped and counted with
 # data.on_bad_record=skip), never a crash and never held whole in memory.
 MAX_RECORD_BYTES = 64 << 20  # 64 MiB: ~16M tokens of text, far beyond any seq_len
@@ -46,7 +48,7 @@ def resolve(path: str, field: str = "data.path") -> list[Path] | str:
             raise FtcoreError(
                 f"directory {p} holds no data files ({', '.join(DATA_SUFFIXES)})",
                 field=field,
-                fix="point it at a directory with .jsonl, .json or .parquet files",
+                fix="point it at a directory with .jsonl, .json, .csv or .parquet files",
             )
         return files
     if not path.startswith((".", "/", "~")) and path.count("/") <= 1 and not p.suffix:
@@ -82,6 +84,8 @@ def iter_records(files: list[Path] | str) -> Iterator[tuple[str, object]]:
             yield from _dataset_rows(f, _load_disk(f))
         elif f.suffix == ".parquet":
             yield from _dataset_rows(f, _load_parquet(f))
+        elif f.suffix == ".csv":
+            yield from _csv_records(f)
         else:
             yield from _json_records(f)
 
@@ -118,6 +122,48 @@ def _json_records(f: Path) -> Iterator[tuple[str, object]]:
         raise FtcoreError(
             f"{f} is empty", field="data.path", fix="give a file with at least one record"
         )
+
+
+def _csv_records(f: Path) -> Iterator[tuple[str, object]]:
+    """A CSV file whose header row names the fields (instruction,output / prompt,completion /
+    text / prompt,chosen,rejected ...): one record per row, each cell a string as written (no
+    type guessing: an answer "4" stays text), an empty cell an absent field. A row with more cells
+    than the header, or a cell beyond MAX_RECORD_BYTES, is a bad record."""
+    import csv
+
+    csv.field_size_limit(MAX_RECORD_BYTES)
+    with open(f, newline="", encoding="utf-8") as fh:
+        try:
+            rows = csv.reader(fh)
+            header = next(rows, None)
+            if header is None:
+                raise FtcoreError(f"{f} is empty", field="data.path",
+                                  fix="give a CSV file with a header row and at least one record")  # fmt: skip
+            seen, line = False, rows.line_num + 1
+            while True:
+                where = f"{f}:{line}"
+                try:
+                    cells = next(rows)
+                except StopIteration:
+                    break
+                except csv.Error as e:
+                    yield where, RecordError(where, f"unreadable CSV row: {e}")
+                    line = rows.line_num + 1
+                    continue
+                line = rows.line_num + 1
+                if not any(c.strip() for c in cells):
+                    continue
+                seen = True
+                if len(cells) > len(header):
+                    yield where, RecordError(where, f"{len(cells)} cells under a header of {len(header)}")
+                    continue
+                yield where, {k: v for k, v in zip(header, cells) if v != ""}
+        except UnicodeDecodeError as e:
+            raise FtcoreError(f"{f}: invalid UTF-8 ({e.reason})", field="data.path",
+                              fix="re-encode the file as UTF-8") from None  # fmt: skip
+    if not seen:
+        raise FtcoreError(f"{f} holds a header but no records", field="data.path",
+                          fix="give a CSV file with at least one record")  # fmt: skip
 
 
 def _too_large() -> str:

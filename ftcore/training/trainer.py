@@ -357,30 +357,7 @@ def finish(state: TrainState) -> None:
 
         out = write_hf_model(state)
     if state.info.rank == 0:
+        from ftcore.training.summary import summary
+
         for line in summary(state, out):
             log.info("%s", line)
-
-
-def summary(state: TrainState, hf_out: Path | None) -> list[str]:
-    """The end-of-run lines: what was trained, how it went, where everything is, what to run next."""
-    cfg, run_dir = state.cfg, state.run_dir
-    lines = [f"done: {state.step} steps; run directory {run_dir}"]
-    if "last_loss" in state.extra:
-        lines.append(f"  final training loss {state.extra['last_loss']:.4f}")
-    evals = state.extra.get("eval_losses", [])
-    if evals:
-        best_step, best = min(evals, key=lambda e: e[1])
-        lines.append(
-            f"  validation loss: final {evals[-1][1]:.4f}, best {best:.4f} (step {best_step})"
-        )
-    ckpt = run_dir / "checkpoints"
-    if ckpt.is_dir():
-        lines.append(f"  checkpoints: {ckpt}")
-    if hf_out is not None:
-        lora = cfg.peft.name != "none"
-        lines.append(f"  {'adapter (PEFT)' if lora else 'model (HF)'}: {hf_out}")
-        base = f" model.hf_path={cfg.model.hf_path}" if lora and cfg.model.hf_path else ""
-        use = f"peft.adapter_path={hf_out}" if lora else f"model.hf_path={hf_out}"
-        lines.append(f"  generate with: python -m ftcore.generate +exp={cfg.run.exp}{base} {use}"
-                     " 'generate.prompt=\"...\"'")  # fmt: skip
-    return lines
