@@ -59,13 +59,15 @@ def detect_source(path: str, field: str = "data.path") -> str:
     return "instruction"  # nothing readable: the tokenizer's pass reports each record
 
 
-def resolve(cfg, say: bool = True) -> None:
+def resolve(cfg, say: bool = True, kind: str = "train") -> None:
     """Replace `auto` in data.format (and in mix entries without their own format) by what the
-    records show, saying which it chose; explicit formats are kept."""
+    records show, saying which it chose; explicit formats are kept. `kind` "eval": the records
+    ftcore.eval reads (data.path, else the validation file); "generate" reads no records and
+    leaves `auto` (its prompt is rendered as an instruction)."""
     from ftcore.config.schema import assets_dir
 
     d = cfg.data
-    if d.format != "auto":
+    if d.format != "auto" or kind == "generate":
         return
     chosen = []
     if d.mix:
@@ -76,8 +78,13 @@ def resolve(cfg, say: bool = True) -> None:
         d.format = d.mix[0].format
     else:
         pairs = (cfg.get("objective") or {}).get("name") == "dpo"  # the bundled pairs, then
-        name = "preference_train" if pairs else "train"  # pipeline.bundled_data
-        path = d.path or str(assets_dir() / "data" / f"{name}.jsonl")
+        split = "val" if kind == "eval" else "train"
+        name = f"preference_{split}" if pairs else split  # pipeline.bundled_data
+        path = (
+            d.path
+            or (kind == "eval" and d.val_path)
+            or str(assets_dir() / "data" / f"{name}.jsonl")
+        )
         d.format = detect_source(path)
         chosen.append(f"{path}: {d.format}")
     if d.val_path:  # validation records are rendered as the training ones are

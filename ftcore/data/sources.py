@@ -155,7 +155,10 @@ def _csv_records(f: Path) -> Iterator[tuple[str, object]]:
                     continue
                 seen = True
                 if len(cells) > len(header):
-                    yield where, RecordError(where, f"{len(cells)} cells under a header of {len(header)}")
+                    yield (
+                        where,
+                        RecordError(where, f"{len(cells)} cells under a header of {len(header)}"),
+                    )
                     continue
                 yield where, {k: v for k, v in zip(header, cells) if v != ""}
         except UnicodeDecodeError as e:
@@ -292,6 +295,23 @@ def _load_parquet(f: Path):
         raise FtcoreError(
             f"{f}: cannot read Parquet: {e}", field="data.path", fix="check the file"
         ) from e
+
+
+def split_note(path: str) -> str | None:
+    """For a `save_to_disk` DatasetDict, which split training reads and how to take another (the
+    log line of tokenized.tokenize_source)."""
+    d = Path(path).expanduser()
+    if not (d / "dataset_dict.json").is_file():
+        return None
+    try:
+        splits = json.loads((d / "dataset_dict.json").read_text(encoding="utf-8")).get("splits")
+    except (OSError, ValueError, AttributeError):
+        return None  # the read itself (_load_disk) says what is wrong
+    if not isinstance(splits, list) or len(splits) < 2:
+        return None
+    other = next(str(s) for s in splits if s != "train")
+    return (f"data {d} is a DatasetDict of splits {', '.join(map(str, splits))}: its train split "
+            f"is read (another split is its own directory: e.g. data.path={d / other})")  # fmt: skip
 
 
 def _load_disk(f: Path):

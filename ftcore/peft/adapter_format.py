@@ -232,3 +232,5 @@ def load_hf_adapter(chunks, s: LoraSettings, cfg) -> None:
                 field=field, fix="use the adapter with the base model it was trained on",
             )  # fmt: skip
         p.copy_(take_shard(full.float(), info, tp_rank, tp).to(p.dtype))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info("loaded the adapter %s (peft.adapter_path: %d tensors)", s.adapter_path, len(sd))

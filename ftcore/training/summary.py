@@ -38,7 +38,9 @@ def generate_command(cfg, hf_out: Path) -> str:
         if cfg.parallel[key] > 1:
             kept.append(f"parallel.{key}=1")
     use = f"peft.adapter_path={hf_out}" if lora else f"model.hf_path={hf_out}"
-    return shlex.join(["python", "-m", "ftcore.generate", *kept, use]) + " 'generate.prompt=\"...\"'"
+    return (
+        shlex.join(["python", "-m", "ftcore.generate", *kept, use]) + " 'generate.prompt=\"...\"'"
+    )
 
 
 def summary(state, hf_out: Path | None) -> list[str]:

@@ -70,7 +70,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
 
         cfg = merge_hf_config(cfg)
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # before the process group
-    formats.resolve(cfg, say=rank == "0")  # data.format=auto: what the records show
+    formats.resolve(cfg, say=rank == "0", kind=kind)  # data.format=auto: what the records show
     adapt(cfg, training=training, say=rank == "0")
     o = cfg.objective
     if o.name == "dpo" and o.ref_adapter_path and not cfg.peft.adapter_path:
@@ -103,11 +103,15 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
             field="model.vocab_size",
             fix="use the model's own tokenizer (model.tokenizer) or a matching model.vocab_size",
         )
-    # A chat template that training cannot use is refused here, before the model is built.
-    if cfg.data.format != "text":
-        from ftcore.data.templates import Renderer
+    # A chat template that training cannot use is refused here, before the model is built; the
+    # one applied is said (generate renders its prompt as an instruction).
+    fmt = "instruction" if kind == "generate" else cfg.data.format
+    if fmt != "text":
+        from ftcore.data.templates import Renderer, describe_template
 
-        Renderer(state.tokenizer, cfg.data.format, cfg.data.chat_template, cfg.data.train_on_prompt)
+        Renderer(state.tokenizer, fmt, cfg.data.chat_template, cfg.data.train_on_prompt)
+        if info.rank == 0:
+            log.info("chat template: %s", describe_template(cfg, state.tokenizer))
     # 7. Model: this rank's chunks, layout-independent init, then HF weights straight into the shards.
     chunks = build_model(cfg)
     moe_routing.install(chunks)  # layout-independent auxiliary losses, expert load (docs/moe.md)
@@ -120,12 +124,14 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     if cfg.peft.name != "none":
         from ftcore.peft.lora import apply_peft
 
-        apply_peft(cfg, chunks)
+        apply_peft(cfg, chunks, say=training)  # the trainable-parameter count, when training
     if cfg.objective.name == "dpo":  # the reference: in the policy (LoRA) or a frozen copy
         from ftcore.training.dpo import build_reference
 
         precompute = cfg.objective.precompute_ref and training and data
         state.extra["reference"] = build_reference(cfg, chunks, precompute)
+        if info.rank == 0:
+            log.info("DPO reference: %s", _reference_said(cfg, precompute))
     # 9. Data: this DP rank's shard of a layout-independent global order. Before the schedule:
     #    with train.epochs, the step count comes from the data size.
     dp_rank = ps.get_data_parallel_rank()
@@ -158,6 +164,17 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         log.info("run directory: %s", run_dir)
     return state
+
+
+def _reference_said(cfg: DictConfig, precompute: bool) -> str:
+    if precompute:
+        return "the starting weights' log-probs, stored by a first pass (objective.precompute_ref)"
+    if cfg.peft.name == "none":
+        return "a frozen copy of the starting weights"
+    ref = cfg.objective.ref_adapter_path
+    if ref:
+        return f"the base plus objective.ref_adapter_path={ref} (loaded; the policy starts from it)"
+    return "the base with the adapters off"
 
 
 def _wire_model_config(state: TrainState) -> None:

@@ -237,7 +237,9 @@ def test_a_resume_applies_a_changed_max_steps(tiny_lora_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_resume_with_another_data_path_is_refused_or_continues_when_allowed(tiny_lora_run, tmp_path):
+def test_a_resume_with_another_data_path_is_refused_or_continues_when_allowed(
+    tiny_lora_run, tmp_path
+):
     """Another data.path: exit 2 naming it and both fixes, the run directory untouched; with
     checkpoint.allow_changed=[data.path] the run goes on, the new data read from its start."""
     other = str(ROOT / "ftcore" / "assets" / "data" / "val.jsonl")

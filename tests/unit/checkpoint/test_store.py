@@ -109,7 +109,10 @@ def test_a_changed_data_stream_is_refused_unless_allowed(tmp_path):
             changes.check_compatible(state, common, tmp_path)
         keys = [c.split("=")[0] for c in change]
         assert all(k in str(e.value) for k in keys), e.value
-        assert "a new run.dir" in e.value.fix and f"checkpoint.allow_changed=[{','.join(keys)}]" in e.value.fix
+        assert (
+            "a new run.dir" in e.value.fix
+            and f"checkpoint.allow_changed=[{','.join(keys)}]" in e.value.fix
+        )
         allowed = compose(TINY + change + [f"checkpoint.allow_changed=[{','.join(keys)}]"])
         assert changes.check_compatible(NS(cfg=allowed, info=NS(rank=0)), common, tmp_path) == keys
     state = NS(cfg=compose(TINY + ["data.val_path=val.jsonl"]), info=NS(rank=0))

@@ -59,12 +59,16 @@ def trained_and_logged(log: str, adapter: Path) -> None:
     steps = re.findall(r"step (\d+)/(\d+) \|.*\| lr ([0-9.e+-]+) \|", log)
     assert steps and steps[0][:2] == ("1", "1"), log[-3000:]  # 40 records, train.epochs=1: 1 step
     lr = float(steps[0][2])
-    lora_b = [t for k, t in load_file(adapter / "adapter_model.safetensors").items() if "lora_B" in k]
+    lora_b = [
+        t for k, t in load_file(adapter / "adapter_model.safetensors").items() if "lora_B" in k
+    ]
     assert lora_b and lr > 0
     for t in lora_b:
         assert float(t.abs().max()) == pytest.approx(lr, rel=1e-2), (float(t.abs().max()), lr)
     peft = AutoPeftModelForCausalLM.from_pretrained(str(adapter)).eval()
-    base = AutoModelForCausalLM.from_pretrained(peft.peft_config["default"].base_model_name_or_path).eval()
+    base = AutoModelForCausalLM.from_pretrained(
+        peft.peft_config["default"].base_model_name_or_path
+    ).eval()
     ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
     with torch.no_grad():
         diff = (peft(input_ids=ids).logits - base(input_ids=ids).logits).abs().max()

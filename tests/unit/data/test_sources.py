@@ -312,7 +312,9 @@ def test_csv_reads_as_the_same_records_as_jsonl(tmp_path, tok):
 
     from ftcore.data.sources import iter_records
 
-    rows = [{"instruction": f'Say "{i}, then {i + 1}"\nplease', "output": str(i + 1)} for i in range(6)]
+    rows = [
+        {"instruction": f'Say "{i}, then {i + 1}"\nplease', "output": str(i + 1)} for i in range(6)
+    ]
     f = tmp_path / "ins.csv"
     Dataset.from_list(rows).to_csv(str(f), index=False)
     assert [r for _, r in iter_records([f])] == rows
