@@ -184,6 +184,11 @@ def write_hf_adapter(state) -> Path | None:
     sd, targets = to_peft(full, cfg.model.family)
     save_adapter(out, sd, s, targets, base_reference(cfg), cfg.model)
     log.info("wrote the adapter (%d tensors, PEFT format) to %s", len(sd), out)
+    if moe_format.is_moe(cfg.model) and {"gate_proj", "up_proj"} <= set(targets):
+        log.info("PEFT 0.21 prints 'rank_pattern (alpha_pattern) keys did not match any targeted "
+                 "module and were ignored: .*\\.gate_up_proj' loading it onto transformers 5: they "
+                 "are PEFT's own keys for the fused experts, and applied (its check looks at "
+                 "modules, not parameters; its own MoE adapters print the same: docs/moe.md)")  # fmt: skip
     return out
 
 

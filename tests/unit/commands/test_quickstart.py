@@ -91,7 +91,7 @@ def test_epochs_and_max_steps_together_are_refused(tmp_path):
     assert "train.epochs" in error_line(cli("train", "+exp=tiny_lora", "train.epochs=0"))
 
 
-# ---- the quick start itself (own JSONL -> adapter -> generate -> PEFT): test_readme.py -----------
+# ---- the quick start itself (own JSONL -> adapter -> generate -> PEFT): test_docs_commands.py ----
 
 
 def test_the_documented_quoting_keeps_commas_and_apostrophes():
