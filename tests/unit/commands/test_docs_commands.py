@@ -16,9 +16,9 @@ How, cheaply and honestly:
   the quick start (train.epochs=1, one step) runs exactly as written;
 - a command passes with exit 0, or the status its comment gives ("exit 2, \"...\"", with the quoted
   text in its output), and the output tests/data/docs_commands.yaml expects;
-- after a training run with overrides beyond +exp and run.dir, the `generate with:` line it prints
-  is run too (a prompt in place of its `...`); a run that stops with exit 3 has its `resume with:`
-  line run;
+- the `generate with:` line a training run prints is run too (a prompt in place of its `...`)
+  where it carries the run's overrides (model, layout, launcher: once per such set); a run that
+  stops with exit 3 has its `resume with:` line run;
 - what cannot run here (GPUs, SLURM, Kubernetes, containers, the suite itself) is listed with the
   reason in tests/data/docs_commands.yaml, whose ftcore commands are composed (`--cfg job`).
 The README quick start's promises are checked on what it made: the adapter changes the model, at
@@ -191,6 +191,7 @@ class Session:
     made: dict = field(default_factory=dict)  # placeholder -> what replaced it
     results: list = field(default_factory=list)  # (what ran, status, seconds, stdout, stderr)
     failures: list = field(default_factory=list)
+    followed: set = field(default_factory=set)  # the overrides generate with: lines carried
 
     def run(self, what: str, command: str, timeout: int = 600) -> subprocess.CompletedProcess:
         t0 = time.perf_counter()
@@ -199,6 +200,7 @@ class Session:
         self.results.append(
             (what, command, p.returncode, time.perf_counter() - t0, p.stdout, p.stderr)
         )
+        print(f"{self.results[-1][3]:6.1f} s  exit {p.returncode}  {what}", flush=True)  # with -s
         return p
 
     def fail(self, what: str, command: str, p: subprocess.CompletedProcess, why: str) -> None:
@@ -274,30 +276,35 @@ def capped(part: str) -> str:
 
 
 def expected_status(c: Shown) -> tuple[int, list[str]]:
-    """The exit status and output a command's comment promises ("exit 2, \"...\""); else 0."""
+    """The exit status and output the comment of an ftcore command promises ("exit 2, \"...\"");
+    else 0. (A comment on another command may speak of a run it affects: `touch STOP`.)"""
     m = re.search(r"\bexit (\d)\b", c.comment)
-    if not m:
+    if not m or not any(ftcore_argv(x) for x in pipeline(c.text)):
         return 0, []
     return int(m.group(1)), re.findall(r'"([^"]+)"', c.comment)
 
 
-def follow_printed(
-    s: Session, c: Shown, p: subprocess.CompletedProcess, overrides: list[str]
-) -> None:
-    """The `generate with:` line of a training run given more than +exp and run.dir, and the
-    `resume with:` line of a stopped one: run as printed."""
+def follow_printed(s: Session, c: Shown, p: subprocess.CompletedProcess) -> None:
+    """The `resume with:` line of a stopped run, and the `generate with:` line of a finished one
+    where it carries the run's overrides (beyond +exp and what it wrote): run as printed, once per
+    set of carried overrides."""
     out = p.stderr + p.stdout
     if p.returncode == 3 and "resume with: " in out:
         line = out.split("resume with: ", 1)[1].splitlines()[0]
         r = s.run(f"{c} -> resume with:", line)
         if r.returncode != 0:
             s.fail(f"{c} -> its resume with: line", line, r, "the printed command failed")
-    extra = [o for o in overrides if not o.startswith(("+exp=", "run.dir=")) and o != CAP]
-    if p.returncode == 0 and extra and "generate with: " in out:
-        line = out.split("generate with: ", 1)[1].splitlines()[0].replace('"..."', f'"{PROMPT}"')
-        r = s.run(f"{c} -> generate with:", line)
-        if r.returncode != 0 or len(r.stdout.splitlines()) != 1:
-            s.fail(f"{c} -> its generate with: line", line, r, "the printed command failed")
+    if p.returncode != 0 or "generate with: " not in out:
+        return
+    line = out.split("generate with: ", 1)[1].splitlines()[0].replace('"..."', f'"{PROMPT}"')
+    own = ("+exp=", "peft.adapter_path=", "model.hf_path=outputs/", "generate.prompt=")
+    carried = frozenset(a for a in shlex.split(line)[3:] if not a.startswith(own))
+    if not carried or carried in s.followed:
+        return
+    s.followed.add(carried)
+    r = s.run(f"{c} -> generate with:", line)
+    if r.returncode != 0 or len(r.stdout.splitlines()) != 1:
+        s.fail(f"{c} -> its generate with: line", line, r, "the printed command failed")
 
 
 def run_shown(s: Session, c: Shown) -> None:
@@ -319,7 +326,7 @@ def run_shown(s: Session, c: Shown) -> None:
         return
     prog = ftcore_argv(parts[-1])
     if prog and prog[0] == "ftcore.train":
-        follow_printed(s, c, p, prog[1])
+        follow_printed(s, c, p)
 
 
 def compose_only(s: Session, c: Shown) -> None:
@@ -385,6 +392,7 @@ def quick_start_promises(s: Session) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # ~40 commands; a shared, loaded machine takes several times their time
 def test_every_documented_command_runs(tmp_path):
     s = make_session(tmp_path)
     seen = set()
