@@ -167,7 +167,7 @@ def test_cli_exits_2_before_training_and_writes_nothing_to_run_dir(
     assert list(work.iterdir()) == []  # nothing in the run dir (or anywhere under the cwd)
 
 
-def test_parquet_directory_and_datasets_dir(tmp_path, tok):
+def test_parquet_directory_and_datasets_dir(tmp_path, tok, caplog):
     from datasets import Dataset
 
     rows = [{"instruction": f"What is {i} + 1?", "output": str(i + 1)} for i in range(6)]
@@ -181,6 +181,21 @@ def test_parquet_directory_and_datasets_dir(tmp_path, tok):
     saved = tmp_path / "saved"
     Dataset.from_list(rows).save_to_disk(str(saved))
     assert build_train_loader(cfg_for(tmp_path, saved), tok, 0, 1).report["samples"] == 6
+    # a DatasetDict: its train split is read, and the log says so and how to take another
+    from datasets import DatasetDict
+
+    splits = tmp_path / "splits"
+    DatasetDict(train=Dataset.from_list(rows[:4]), test=Dataset.from_list(rows[4:])).save_to_disk(
+        str(splits)
+    )
+    with caplog.at_level("INFO", logger="ftcore"):
+        assert build_train_loader(cfg_for(tmp_path, splits), tok, 0, 1).report["samples"] == 4
+    assert (
+        f"data {splits} is a DatasetDict of splits train, test: its train split is read"
+        in caplog.text
+    )
+    assert f"data.path={splits / 'test'}" in caplog.text
+    assert build_train_loader(cfg_for(tmp_path, splits / "test"), tok, 0, 1).report["samples"] == 2
     bad = tmp_path / "bad_pq"
     bad.mkdir()
     Dataset.from_list([{"instruction": "x", "output": 1}]).to_parquet(str(bad / "x.parquet"))

@@ -70,15 +70,24 @@ def test_a_gpu_recipe_on_ones_own_small_checkpoint_says_what_to_change(tmp_path,
     from tests.support.moe import make_tiny_moe
 
     hf = make_tiny_moe(tmp_path / "my-moe")
-    base = ["+exp=qwen3_30b_a3b_lora", f"model.hf_path={hf}", "cluster=local_cpu", f"run.dir={tmp_path / 'run'}"]
+    base = [
+        "+exp=qwen3_30b_a3b_lora",
+        f"model.hf_path={hf}",
+        "cluster=local_cpu",
+        f"run.dir={tmp_path / 'run'}",
+    ]
 
     def error(*over: str) -> str:
         assert main("train", task, [*base, *over]) == 2
-        (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("ftcore error:")]
+        (line,) = [
+            ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("ftcore error:")
+        ]
         return line
 
     seq = error()
-    assert seq.startswith(f"ftcore error: data.seq_len: seq_len=4096 is beyond the 256 positions of the checkpoint {hf}")
+    assert seq.startswith(
+        f"ftcore error: data.seq_len: seq_len=4096 is beyond the 256 positions of the checkpoint {hf}"
+    )
     assert "qwen3_30b_a3b" not in seq and "llama31_70b" not in seq and "data.seq_len=256" in seq
     gpus = error("data.seq_len=256", "parallel.ep=2")
     assert "cluster.num_gpus=8" in gpus and "cluster.num_gpus=null" in gpus
