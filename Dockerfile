@@ -12,9 +12,10 @@ FROM ${BASE_IMAGE}
 
 # FTCORE_GPU_REQUIRE_TE=1 -> gpu.require_te=true: inside this image a missing or broken Transformer
 # Engine fails the run and the GPU tests instead of silently using megatron's local layers.
+# No GPU variable ftcore chooses per config (CUDA_DEVICE_MAX_CONNECTIONS, NCCL_*, NVTE_*: see
+# ftcore/runtime/gpu_env.py) is set here: a value already in the environment wins over ftcore's.
 ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    CUDA_DEVICE_MAX_CONNECTIONS=1 \
     FTCORE_GPU_REQUIRE_TE=1
 
 WORKDIR /opt/ftcore

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from ftcore.cli import run
 from ftcore.errors import FtcoreError
+from ftcore.runtime import safe_files
 
 log = logging.getLogger("ftcore")
 
@@ -50,9 +51,7 @@ def evaluate(cfg: DictConfig, state=None) -> dict:
     if state.info.rank == 0:
         out = Path(cfg.eval.output) if cfg.eval.output else state.run_dir / "eval.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(result) + "\n")
-        os.replace(tmp, out)
+        safe_files.write_atomic(out, json.dumps(result) + "\n")  # never through a link
         if "pairs" in result:
             log.info("eval: loss %.6f over %d pairs, rewards/accuracies %.4f -> %s", loss,
                      result["pairs"], result["rewards/accuracies"], out)  # fmt: skip

@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ftcore.cli import run
 from ftcore.errors import FtcoreError
+from ftcore.runtime import safe_files
 
 log = logging.getLogger("ftcore")
 
@@ -27,9 +28,7 @@ def resolve_step_dir(path: str) -> Path:
             return root
         latest = root / "latest"
         if latest.is_file() or latest.is_symlink():
-            from ftcore.runtime.safe_files import read_latest
-
-            step = read_latest(root, "export.checkpoint")  # exactly step_<N>, in this directory
+            step = safe_files.read_latest(root, "export.checkpoint")  # exactly step_<N>, here
             if (step / ".metadata").is_file():
                 return step
             raise FtcoreError(
@@ -42,10 +41,12 @@ def resolve_step_dir(path: str) -> Path:
 
 
 def run_config(step_dir: Path) -> DictConfig:
-    """The run's config: the copy saved with the checkpoint, else <run.dir>/config.yaml."""
+    """The run's config: the copy saved with the checkpoint, else <run.dir>/config.yaml. Data
+    from elsewhere: no interpolation is resolved (an `${oc.env:...}` would put your secrets into
+    config.json), checked against the schema."""
     for f in (step_dir / "config.yaml", step_dir.parent.parent / "config.yaml"):
-        if f.is_file():
-            return OmegaConf.load(f)
+        if f.is_file() or f.is_symlink():
+            return safe_files.read_run_config(f, "export.checkpoint", root=f.parent)
     raise FtcoreError(f"no config.yaml next to {step_dir} (nor in its run directory)", field="export.checkpoint",
                       fix="export needs the run's config.yaml for the model shapes and tokenizer")  # fmt: skip
 
@@ -105,22 +106,19 @@ def task(cfg: DictConfig) -> int | None:
     return None
 
 
-# What makes a directory a previous export, which export.overwrite may replace: a Hugging Face
-# model (config.json + safetensors weights) or a PEFT adapter (adapter_config.json).
-EXPORT_MARKS = (("config.json", "model.safetensors"), ("config.json", "model.safetensors.index.json"),
-                ("adapter_config.json",))  # fmt: skip
-
-
 def is_export(out: Path) -> bool:
-    """An empty directory, or one holding a Hugging Face model or PEFT adapter (not a link)."""
+    """An empty directory, or one that carries ftcore's export marker (safe_files.EXPORT_MARKER,
+    written into every model and adapter directory ftcore exports), not through a link."""
     if out.is_symlink() or not out.is_dir():
         return False
-    return not any(out.iterdir()) or any(all((out / f).is_file() for f in m) for m in EXPORT_MARKS)
+    marker = out / safe_files.EXPORT_MARKER
+    return not any(out.iterdir()) or (marker.is_file() and not marker.is_symlink())
 
 
 def check_output(out: Path, overwrite: bool) -> None:
     """An existing export (e.g. the hf_model/ a run wrote at its end) is replaced only when asked,
-    and only when it is one: export.overwrite never removes a directory that holds anything else."""
+    and only when ftcore wrote it: export.overwrite never removes a directory it did not write
+    (a Hugging Face model you copied there, notes beside it)."""
     if not (out.exists() or out.is_symlink()):
         return
     if not overwrite:
@@ -128,10 +126,10 @@ def check_output(out: Path, overwrite: bool) -> None:
                           fix="export.output=NEW_DIR, or export.overwrite=true to replace it")  # fmt: skip
     if not is_export(out):
         raise FtcoreError(
-            f"{out} holds no previous export (no config.json with safetensors weights, no "
-            "adapter_config.json): export.overwrite replaces only an export, it is left untouched",
+            f"{out} holds no previous export (no {safe_files.EXPORT_MARKER}, the marker ftcore writes into each "
+            "export): export.overwrite replaces only what ftcore exported, it is left untouched",
             field="export.output",
-            fix="export.output=NEW_DIR (a new or empty directory, or an earlier export)",
+            fix="export.output=NEW_DIR (a new or empty directory, or an earlier ftcore export)",
         )
 
 

@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from ftcore.cli import run
 from ftcore.errors import FtcoreError
+from ftcore.runtime import safe_files
 
 PROMPT_ENV = "FTCORE_STDIN_PROMPT"  # standard input, read once by the process the user started
 
@@ -40,7 +41,7 @@ def read_prompt(cfg: DictConfig) -> str:
         if not path.is_file():
             raise FtcoreError(f"no such file: {path}", field="generate.prompt_file",
                               fix="a text file holding the prompt, or - to read standard input")  # fmt: skip
-        text = path.read_text(encoding="utf-8")
+        text = safe_files.read_text(path, "generate.prompt_file")
     text = (text or "").strip()
     if not text:
         raise FtcoreError("no prompt given", field="generate.prompt",

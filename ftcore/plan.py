@@ -17,13 +17,44 @@ from ftcore.cli import run
 from ftcore.errors import FtcoreError
 
 
+def layout_problem(cfg: DictConfig, world: int) -> FtcoreError | None:
+    """Why the config's own layout cannot run on `world` GPUs (the layers do not split, the
+    sequence does not cut, the GPUs do not divide), or None."""
+    from ftcore.planner.layers import split_layers
+    from ftcore.validation.checks import check_sequence
+
+    p = cfg.parallel
+    try:
+        split_layers(cfg.model.num_layers, p.pp, p.vp)
+        check_sequence(cfg)  # within the model's positions, cut the way the layout can (cp.py)
+    except FtcoreError as e:
+        return e
+    if world % (p.tp * p.pp * p.cp):
+        return FtcoreError(
+            f"{world} GPUs do not divide by tp*pp*cp = {p.tp * p.pp * p.cp}",
+            field="cluster.num_gpus",
+            fix="use a multiple of parallel.tp * parallel.pp * parallel.cp, or plan.search=true "
+            "to search the layouts of that many GPUs",
+        )
+    return None
+
+
+def with_layout(cfg: DictConfig, row: dict) -> DictConfig:
+    """The config with a searched row's layout (what its overrides select)."""
+    cfg = cfg.copy()
+    for key in ("tp", "pp", "vp", "cp", "sp", "recompute", "ep", "etp", "cp_comm_type"):
+        if key in row:
+            cfg.parallel[key] = row[key]
+    cfg.train.micro_batch_size = row["micro_batch_size"]
+    return cfg
+
+
 def task(cfg: DictConfig) -> int:
     from ftcore import planner
     from ftcore.config.ranges import check_ranges
-    from ftcore.planner.layers import split_layers
     from ftcore.planner.report import table
     from ftcore.planner.search import search
-    from ftcore.validation.checks import check_sequence, with_hf_shapes
+    from ftcore.validation.checks import with_hf_shapes
 
     check_ranges(cfg)
     cfg = with_hf_shapes(cfg)  # model.hf_path given: its config.json's shapes, not the preset's
@@ -32,29 +63,47 @@ def task(cfg: DictConfig) -> int:
         raise FtcoreError(
             f"unknown format {cfg.plan.format!r}", field="plan.format", fix="table or json"
         )
-    p = cfg.parallel
-    split_layers(cfg.model.num_layers, p.pp, p.vp)
-    check_sequence(cfg)  # within the model's positions, cut the way the layout can (cp.py)
     world = planner.world_of(cfg)
-    if world % (p.tp * p.pp * p.cp):
-        raise FtcoreError(
-            f"{world} GPUs do not divide by tp*pp*cp = {p.tp * p.pp * p.cp}",
-            field="cluster.num_gpus",
-            fix="use a multiple of parallel.tp * parallel.pp * parallel.cp",
-        )
-    result = planner.plan(cfg, world)
+    problem = layout_problem(cfg, world)
+    if problem is not None and not cfg.plan.search:
+        raise problem
+    # plan.search: the layout is free. The config's own is planned where it can run; where it
+    # cannot, the search's fastest layout is; where none fits, the search runs again at the
+    # fewest GPUs that fit (the count the plan prints), so its advice can be followed as printed.
     ranked = search(cfg, world, cfg.plan.top) if cfg.plan.search else None
+    fewest = None
+    if cfg.plan.search and not ranked:
+        needed = planner.gpus_needed(cfg)
+        if needed and needed != world:
+            fewest = {"num_gpus": needed, "rows": search(cfg, needed, cfg.plan.top)}
+    notes, shown, shown_world = [], cfg, world
+    if problem is not None:
+        best = ranked[0] if ranked else (fewest["rows"][0] if fewest and fewest["rows"] else None)
+        if best is None:
+            raise problem
+        shown_world = world if ranked else fewest["num_gpus"]
+        shown = with_layout(cfg, best)
+        why = str(problem).split(" -- fix: ")[0]
+        notes.append(f"the config's layout cannot run on {world} GPUs ({why}): the "
+                     f"plan below is the search's fastest layout on {shown_world}: "
+                     f"{best['overrides']}")  # fmt: skip
+    result = planner.plan(shown, shown_world)
     built = None
     if cfg.plan.dry_build:
         from ftcore.training import dry_build
 
-        built = result["dry_build"] = dry_build.dry_build(cfg, world)
+        built = result["dry_build"] = dry_build.dry_build(shown, shown_world)
+    if notes:
+        result["notes"] = notes
     if cfg.plan.format == "json":
         if ranked is not None:
             result["search"] = ranked
+            result["search_num_gpus"] = world
+        if fewest is not None:
+            result["search_at_fewest"] = fewest
         print(json.dumps(result), flush=True)
     else:
-        print(table(result, ranked), flush=True)
+        print(table(result, ranked, search_world=world, fewest=fewest), flush=True)
     if built is not None:
         dry_build.check(built)  # after the plan is printed: exit 2 names what is wrong
     return 0

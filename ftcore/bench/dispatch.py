@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from ftcore.bench import report
 from ftcore.bench.layouts import run_layouts
 from ftcore.bench.overhead import run_host_overhead
+from ftcore.bench.plan_search import run_plan_search
 from ftcore.bench.runner import Bench, expand_runs, load_avg
 from ftcore.bench.vs_hf import run_cpu_vs_hf
 from ftcore.errors import FtcoreError
@@ -20,10 +21,11 @@ log = logging.getLogger("ftcore")
 
 def run_bench(cfg: DictConfig, extra: list[str], command: str) -> Path:
     """Run every configuration of cfg.bench; returns the output directory."""
-    kinds = {"layouts": run_layouts, "cpu_vs_hf": run_cpu_vs_hf, "host_overhead": run_host_overhead}
+    kinds = {"layouts": run_layouts, "cpu_vs_hf": run_cpu_vs_hf, "host_overhead": run_host_overhead,
+             "plan_search": run_plan_search}  # fmt: skip
     if cfg.bench.kind not in kinds:
         raise FtcoreError(f"unknown kind {cfg.bench.kind!r}", field="bench.kind",
-                          fix="layouts, cpu_vs_hf or host_overhead")  # fmt: skip
+                          fix="layouts, cpu_vs_hf, host_overhead or plan_search")  # fmt: skip
     if cfg.bench.kind != "host_overhead":  # its runs are its depths and sides
         expand_runs(cfg.bench)  # exit 2 on a malformed list before anything starts
     b = Bench(cfg, extra, command)

@@ -168,6 +168,18 @@ def plot(lines: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     vs_hf = bool(lines) and lines[0].get("kind") == "cpu_vs_hf"
+    if lines and lines[0].get("kind") == "plan_search":
+        ok = [ln for ln in lines if ln.get("status") == "ok"]
+        fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(ok) + 2), 4.5))
+        ax.bar(range(len(ok)), [ln["wall_s"] for ln in ok], color="tab:blue")
+        ax.axhline(60, color="tab:red", linestyle="--")
+        ax.set_ylabel("wall s: plan.search=true")
+        ax.set_xticks(list(range(len(ok))))
+        ax.set_xticklabels([f"{ln['label']} r{ln['round']}" for ln in ok], rotation=60, ha="right")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return
     if lines and lines[0].get("kind") == "host_overhead":
         ok = [ln for ln in lines if ln.get("status") == "ok"]
         fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(ok) + 2), 4.5))
@@ -213,6 +225,10 @@ def write(out_dir: Path) -> tuple[Path, Path]:
     kind = lines[0].get("kind")
     if kind == "host_overhead":
         body = overhead_md(lines)
+    elif kind == "plan_search":
+        from ftcore.bench.plan_search import plan_search_md
+
+        body = plan_search_md(lines)
     else:
         body = cpu_vs_hf_md(lines) if kind == "cpu_vs_hf" else layouts_md(lines)
     md.write_text("\n".join(_header(lines) + body) + "\n")

@@ -287,5 +287,10 @@ class Bench:
         with open(self.out / "bench.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
         status = line.get("status")
+        done = (
+            f"{line['wall_s']:.1f} s"
+            if "wall_s" in line
+            else f"{line.get('tokens_per_s', 0):.0f} tokens/s"
+        )
         log.info("bench %s: %s %s", self.bench.name, line.get("label"),
-                 status if status != "ok" else f"{line.get('tokens_per_s', 0):.0f} tokens/s")  # fmt: skip
+                 status if status != "ok" else done)  # fmt: skip

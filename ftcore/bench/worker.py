@@ -76,10 +76,12 @@ class _Timer:
 def _gather(obj):
     import torch.distributed as dist
 
+    from ftcore.runtime import collectives
+
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    collectives.all_gather_object(out, obj)
     return out
 
 

@@ -18,6 +18,7 @@ import logging
 from omegaconf import OmegaConf
 
 from ftcore.errors import FtcoreError
+from ftcore.runtime import safe_files
 
 log = logging.getLogger("ftcore")
 
@@ -42,7 +43,9 @@ def check_compatible(state, common: dict, path) -> list[str]:
     """Refuse a checkpoint of another model or PEFT mode before megatron fails obscurely, and a
     changed data stream unless allowed. Returns the changed stream keys that were allowed (the
     caller then starts the data from its beginning)."""
-    saved = OmegaConf.create(common["config"])
+    # data, never resolved: an `${oc.env:...}` in it would print your secret in the messages below
+    saved = safe_files.run_config(str(common["config"]), f"{path}/common.pt (its config)",
+                                  "checkpoint.resume")  # fmt: skip
     now = state.cfg
     diffs = [
         f"model.{k}: {saved.model.get(k)} -> {now.model.get(k)}"
@@ -79,7 +82,7 @@ def check_compatible(state, common: dict, path) -> list[str]:
             field="train.max_steps",
             fix=f"train.max_steps >= {step}, or checkpoint.resume=<an earlier step_N> / a new run.dir",
         )
-    old, new = OmegaConf.to_container(saved), OmegaConf.to_container(now)
+    old, new = OmegaConf.to_container(saved), OmegaConf.to_container(now, resolve=True)
     changed = [k for k in changed_keys(old, new) if not k.startswith(_NOT_COMPARED)]
     stream = [k for k in changed if stream_key(k)]
     allowed = set(now.checkpoint.allow_changed)

@@ -25,7 +25,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from ftcore.errors import FtcoreError
-from ftcore.runtime import safe_files
+from ftcore.runtime import collectives, safe_files
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp_step_"
@@ -43,7 +43,7 @@ def _gather(obj) -> list:
     if world == 1:
         return [obj]
     out = [None] * world
-    dist.all_gather_object(out, obj)
+    collectives.all_gather_object(out, obj)
     return out
 
 
@@ -55,17 +55,21 @@ def _raise_first(errors: list, path: Path, fix: str, field: str = "checkpoint") 
         raise FtcoreError(found[0] + more, field=field, fix=fix)
 
 
-def _crc32(path: Path) -> int:
+def _crc32(path: Path, root: Path) -> int:
     crc = 0
-    with open(path, "rb") as f:
+    with safe_files.open_read(path, "checkpoint", root=root) as f:
         while chunk := f.read(1 << 23):
             crc = zlib.crc32(chunk, crc)
     return crc
 
 
 def _files(path: Path) -> list[str]:
+    """The files a save wrote (never a link, nor the manifest and its temporary)."""
+    skip = (MANIFEST, MANIFEST + ".tmp")
     return sorted(
-        str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MANIFEST
+        str(p.relative_to(path))
+        for p in path.rglob("*")
+        if p.is_file() and not p.is_symlink() and p.name not in skip
     )
 
 
@@ -110,9 +114,11 @@ def write_manifest(path: Path, extra: dict) -> None:
     files = _files(path) if rank == 0 else None
     if world > 1:
         box = [files]
-        dist.broadcast_object_list(box, src=0)
+        collectives.broadcast_object_list(box, src=0)
         files = box[0]
-    mine = {rel: [(path / rel).stat().st_size, _crc32(path / rel)] for rel in files[rank::world]}
+    mine = {
+        rel: [(path / rel).stat().st_size, _crc32(path / rel, path)] for rel in files[rank::world]
+    }
     merged: dict = {}
     for part in _gather(mine):
         merged.update(part)
@@ -132,10 +138,18 @@ def read_manifest(path: Path, field: str = "checkpoint.resume") -> dict:
             fix="point checkpoints/latest (or checkpoint.resume) at a complete step_<N> directory",
         )
     try:
-        return json.loads(m.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FtcoreError(f"{m} is corrupt ({e})", field=field,
-                          fix="resume from an earlier step_<N> (checkpoint.resume=PATH)") from e  # fmt: skip
+        manifest = json.loads(safe_files.read_text(m, field, root=path))
+    except (ValueError, RecursionError) as e:  # any parse error, a 5,000-digit number too
+        raise FtcoreError(f"{m} is corrupt ({type(e).__name__}: {str(e)[:200]})", field=field,
+                          fix="resume from an earlier step_<N> (checkpoint.resume=PATH)") from None  # fmt: skip
+    entries = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(entries, dict) or not all(
+        isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v)
+        for v in entries.values()
+    ):
+        raise FtcoreError(f"{m} is corrupt (no file list)", field=field,
+                          fix="resume from an earlier step_<N> (checkpoint.resume=PATH)")  # fmt: skip
+    return manifest
 
 
 def check_manifest(path: Path, checksums: bool, field: str | None = None) -> None:
@@ -147,15 +161,18 @@ def check_manifest(path: Path, checksums: bool, field: str | None = None) -> Non
     files = sorted(manifest["files"].items())  # the same file for all: all raise alike
     for rel, (size, crc) in files[rank::world]:
         f = path / rel
-        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+        try:
+            safe_files.inside(path, rel, field or "checkpoint.resume", what=str(path / MANIFEST))
+        except FtcoreError:
             errors.append(f"{path / MANIFEST} names {rel}, outside the checkpoint")
-        elif not f.is_file():
+            continue
+        if not f.is_file():
             errors.append(f"checkpoint file {f} is missing")
         elif f.stat().st_size != size:
             errors.append(
                 f"checkpoint file {f} is corrupt: {f.stat().st_size} bytes, {size} written"
             )
-        elif checksums and _crc32(f) != crc:
+        elif checksums and _crc32(f, path) != crc:
             errors.append(
                 f"checkpoint file {f} is corrupt: its checksum differs from the one written"
             )

@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 
 from ftcore.errors import FtcoreError
 from ftcore.models.sharding import unwrap
+from ftcore.runtime import collectives, safe_files
 
 log = logging.getLogger("ftcore")
 
@@ -113,7 +114,7 @@ def _all_gather(obj) -> list:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    collectives.all_gather_object(out, obj)
     return out
 
 
@@ -240,12 +241,19 @@ def sharded_state_dict(state, *, is_loading: bool, optim: str | None = None) -> 
         "layout": layout(),
         "optim_format": optim_format(cfg),
         "adapter_only": adapter_only(cfg),
-        "config": OmegaConf.to_yaml(cfg),
-        "wandb_id": wandb_file.read_text().strip() if wandb_file.exists() else None,
+        "config": OmegaConf.to_yaml(cfg, resolve=True),  # holds no interpolation (safe_files)
+        "wandb_id": _wandb_id(wandb_file),
         "rng": [g["rng"] for g in gathered],
         "loader": _loader_states(gathered),
     }
     return sd
+
+
+def _wandb_id(path) -> str | None:
+    """The wandb run id metrics.py wrote into run.dir (this run's), if any."""
+    if not path.is_file():
+        return None
+    return safe_files.read_text(path, "run.dir", root=path.parent, limit=256).strip()
 
 
 def _loader_states(gathered: list[dict]) -> list | None:
@@ -339,7 +347,7 @@ def _restore_wandb_id(state, run_id: str | None) -> None:
     """A resumed run continues the same wandb run (metrics.py reads <run.dir>/wandb_id)."""
     path = state.run_dir / "wandb_id"
     if run_id and state.info.rank == 0 and not path.exists():
-        path.write_text(run_id)
+        safe_files.write_atomic(path, str(run_id))
 
 
 def _fmt(lay: dict) -> str:

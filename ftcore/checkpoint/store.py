@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ftcore.checkpoint import changes, files, resume
 from ftcore.errors import FtcoreError
-from ftcore.runtime import cpu, safe_files
+from ftcore.runtime import collectives, cpu, safe_files
 
 log = logging.getLogger("ftcore")
 
@@ -88,7 +88,7 @@ def _in_process_results_queue() -> None:
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        collectives.barrier()
 
 
 def _rank0(state) -> bool:
@@ -99,14 +99,6 @@ def _use_async(state) -> bool:
     return (
         bool(state.cfg.checkpoint.async_save) and torch.cuda.is_available() and not cpu.is_active()
     )
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save(state, *, blocking: bool = False) -> Path:
@@ -152,11 +144,11 @@ def _publish(state, tmp: Path, final: Path, sd: dict, step: int, t0: float) -> N
     """Collective: verify, manifest, rename, point `latest` at it, apply `keep`."""
     files.verify_written(tmp, sd)
     if _rank0(state):
-        (tmp / "config.yaml").write_text(_config_yaml(state))
+        safe_files.write_atomic(tmp / "config.yaml", _config_yaml(state))
     files.write_manifest(tmp, {"step": step, "layout": resume.layout(), "run_id": state.cfg.run.id})
     _barrier()
     if _rank0(state):
-        _fsync_dir(tmp)
+        safe_files.fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)  # an unpublished leftover of a crashed run
         os.replace(tmp, final)
@@ -168,22 +160,26 @@ def _publish(state, tmp: Path, final: Path, sd: dict, step: int, t0: float) -> N
 
 
 def _config_yaml(state) -> str:
+    """The run's config, its interpolations resolved: what ftcore writes holds none, and what it
+    reads back from elsewhere may not (safe_files.run_config)."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_yaml(state.cfg)
+    return OmegaConf.to_yaml(state.cfg, resolve=True)
 
 
 def _publish_latest(root: Path, name: str) -> None:
     tmp = root / ".latest.tmp"
     safe_files.write_exclusive(tmp, (name + "\n").encode())
     os.replace(tmp, root / "latest")
-    _fsync_dir(root)
+    safe_files.fsync_dir(root)
 
 
 def _apply_keep(state, step: int) -> None:
     """Keep the newest `checkpoint.keep` checkpoints up to `step` (0 = all); drop leftovers of
     unfinished saves. Directories of later steps (an abandoned future after resume=PATH) stay."""
     keep = state.cfg.checkpoint.keep
+    if ckpt_root(state).is_symlink():  # never delete through a link (safe_files.check_run_dir)
+        return
     found = files.scan(ckpt_root(state))
     for d in found.incomplete:
         if d.name != f"{files.TMP_PREFIX}{step}":
@@ -292,6 +288,8 @@ def _check_own(run_dir: Path, root: Path) -> None:
                 field="checkpoint.resume",
                 fix=f"checkpoint.resume={step} if you trust it, else checkpoint.resume=never",
             )
+    # `checkpoints -> another run's checkpoints` passes lstat as yours, and `keep` would delete there
+    safe_files.check_run_dir(run_dir, field="checkpoint.resume")
 
 
 def _step_of(path: Path | None) -> int:
@@ -306,12 +304,8 @@ def load(state, path: Path) -> list[str]:
     files.check_manifest(path, checksums=state.cfg.checkpoint.verify)
     # data, never code: a pickle naming anything else is refused before megatron reads it
     safe_files.read_metadata(path / ".metadata")
-    try:
-        common = dist_checkpointing.load_common_state_dict(str(path))
-    except Exception as e:  # noqa: BLE001 - a corrupt common file must name itself
-        raise FtcoreError(f"checkpoint file {path / 'common.pt'} cannot be read ({e})",
-                          field="checkpoint.resume", fix="resume from an earlier step_<N>") from e  # fmt: skip
-    if "ftcore" not in common:
+    common = safe_files.read_common(path)  # weights_only=True, whatever the environment says
+    if not isinstance(common, dict) or not isinstance(common.get("ftcore"), dict):
         raise FtcoreError(
             f"{path} is not an ftcore checkpoint (no 'ftcore' state)",
             field="checkpoint.resume",

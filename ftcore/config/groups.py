@@ -313,6 +313,11 @@ class ClusterConfig:
     sp_layer_overhead_s: Optional[float] = None  # what sequence parallelism adds to it (host)
     expert_gemm_half_elems: Optional[float] = None  # expert weight size at half GEMM efficiency
     ep_a2a_hidden: Optional[float] = None  # share of the MoE all-to-all plan.moe_a2a_overlap hides
+    # GPU time of a MoE layer's many small kernels per micro-batch whatever their size (fwd + bwd)
+    moe_layer_latency_s: Optional[float] = None
+    # dropless MoE: the host's launch time per local expert after a layer's token-count sync,
+    # forward (planner/moe_time.py dropless_sync_s)
+    expert_host_s: Optional[float] = None
     reserve_gib: Optional[float] = None  # framework / allocator reserve per GPU
 
 

@@ -4,24 +4,30 @@ datasets.
 Every record comes with where it was found ("file:line" or "file:row"), so a bad one can be named.
 JSON and JSONL are parsed here line by line (a malformed line or invalid UTF-8 is reported with its
 line number, which Arrow's JSON reader cannot do); CSV by the standard library's reader, row by
-row, every cell a string; Parquet, `save_to_disk` directories and datasets in the local Hugging
-Face cache go through `datasets`, offline.
+row, every cell a string. Parquet and `save_to_disk` directories are read with pyarrow, one batch
+of rows at a time, writing nothing anywhere; datasets in the local Hugging Face cache go through
+`datasets`, offline. Files are opened through ftcore's one door (ftcore/runtime/safe_files); the
+record limits below hold for every format: an Arrow row is measured before it becomes Python, and
+a Parquet row group of one row by the file's metadata, before it is decoded.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
 from ftcore.errors import FtcoreError
+from ftcore.runtime import safe_files
 
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 # Bounds on one record (docs/data.md): beyond them it is a bad record (skipped and counted with
 # data.on_bad_record=skip), never a crash and never held whole in memory.
 MAX_RECORD_BYTES = 64 << 20  # 64 MiB: ~16M tokens of text, far beyond any seq_len
 MAX_DEPTH = 64  # lists/objects inside one another; chat records nest 3 deep
+ARROW_BATCH_ROWS = 256  # Parquet/Arrow rows decoded at a time
 
 
 class RecordError(ValueError):
@@ -81,9 +87,9 @@ def iter_records(files: list[Path] | str) -> Iterator[tuple[str, object]]:
         return
     for f in files:
         if f.is_dir():
-            yield from _dataset_rows(f, _load_disk(f))
+            yield from _nonempty(f, _disk_rows(f))
         elif f.suffix == ".parquet":
-            yield from _dataset_rows(f, _load_parquet(f))
+            yield from _nonempty(f, _parquet_rows(f))
         elif f.suffix == ".csv":
             yield from _csv_records(f)
         else:
@@ -94,7 +100,7 @@ def _json_records(f: Path) -> Iterator[tuple[str, object]]:
     """JSONL read line by line (never the whole file at once, so a file larger than memory
     streams, and never a whole line longer than MAX_RECORD_BYTES); a `.json` file holding an
     array is parsed whole (_json_array)."""
-    with open(f, "rb") as fh:
+    with safe_files.open_read(f, "data.path") as fh:
         head = fh.read(4096)
         if f.suffix == ".json" and head.lstrip()[:1] == b"[":
             yield from _json_array(f, head + fh.read())
@@ -132,7 +138,7 @@ def _csv_records(f: Path) -> Iterator[tuple[str, object]]:
     import csv
 
     csv.field_size_limit(MAX_RECORD_BYTES)
-    with open(f, newline="", encoding="utf-8") as fh:
+    with io.TextIOWrapper(safe_files.open_read(f, "data.path"), encoding="utf-8", newline="") as fh:
         try:
             rows = csv.reader(fh)
             header = next(rows, None)
@@ -181,6 +187,8 @@ def _parse(where: str, text: str) -> object:
         return RecordError(where, f"malformed JSON: {e.msg} (column {e.colno})")
     except RecursionError:
         return RecordError(where, _too_deep())
+    except ValueError as e:  # any other parse error of one record: a number of 5,000 digits
+        return RecordError(where, f"unreadable JSON: {str(e)[:200]}")
     return RecordError(where, _too_deep()) if _deeper_than(rec, text, MAX_DEPTH) else rec
 
 
@@ -209,9 +217,15 @@ def _deeper_than(rec: object, text: str, limit: int) -> bool:
 _VALUE_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 
 
+_NUMBER = re.compile(r"-?[0-9.eE+-]+")
+
+
 def _skip_value(text: str, pos: int) -> int:
     """The end of the JSON value starting at `pos` by bracket depth (strings skipped), for a
-    value too deep to decode; len(text) if it never closes."""
+    value that cannot be decoded; len(text) if it never closes."""
+    if text[pos : pos + 1] not in ("[", "{"):  # a bare value: a number (of 5,000 digits) or string
+        m = _VALUE_TOKEN.match(text, pos) or _NUMBER.match(text, pos)
+        return m.end() if m else len(text)
     depth = 0
     for m in _VALUE_TOKEN.finditer(text, pos):
         c = m.group()
@@ -258,6 +272,11 @@ def _json_array(f: Path, data: bytes) -> Iterator[tuple[str, object]]:
                 raise malformed(e.lineno, e.msg) from None
             except RecursionError:
                 rec, end = RecordError(where, _too_deep()), _skip_value(text, pos)
+            except ValueError as e:  # not a syntax error: a number of 5,000 digits
+                rec, end = (
+                    RecordError(where, f"unreadable JSON: {str(e)[:200]}"),
+                    _skip_value(text, pos),
+                )
             if end - pos > MAX_RECORD_BYTES:
                 rec = RecordError(where, _too_large())
             elif not isinstance(rec, RecordError) and _deeper_than(rec, text[pos:end], MAX_DEPTH):
@@ -277,24 +296,33 @@ def _json_array(f: Path, data: bytes) -> Iterator[tuple[str, object]]:
     yield from out
 
 
-def _dataset_rows(f, ds) -> Iterator[tuple[str, object]]:
-    if len(ds) == 0:
+def _nonempty(f, rows: Iterator[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+    empty = True
+    for item in rows:
+        empty = False
+        yield item
+    if empty:
         raise FtcoreError(
             f"{f} is empty", field="data.path", fix="give a data set with at least one record"
         )
-    for i, row in enumerate(ds):
-        yield f"{f}:row {i + 1}", row
 
 
-def _load_parquet(f: Path):
-    from datasets import Dataset
-
-    try:
-        return Dataset.from_parquet(str(f), keep_in_memory=True)
-    except Exception as e:
-        raise FtcoreError(
-            f"{f}: cannot read Parquet: {e}", field="data.path", fix="check the file"
-        ) from e
+def _arrow_rows(f, batches, first: int = 1) -> Iterator[tuple[str, object]]:
+    """The rows of Arrow record batches as Python records, numbered from `first`; a row larger than
+    MAX_RECORD_BYTES (measured in Arrow, before it becomes Python) is a bad record."""
+    n = first
+    for batch in batches:
+        big = batch.nbytes > MAX_RECORD_BYTES  # else no row of it can be: converted at once
+        rows = None if big else batch.to_pylist()
+        for i in range(batch.num_rows):
+            where = f"{f}:row {n}"
+            n += 1
+            if not big:
+                yield where, rows[i]
+            elif (row := batch.slice(i, 1)).nbytes > MAX_RECORD_BYTES:
+                yield where, RecordError(where, _too_large())
+            else:
+                yield where, row.to_pylist()[0]
 
 
 def split_note(path: str) -> str | None:
@@ -304,9 +332,11 @@ def split_note(path: str) -> str | None:
     if not (d / "dataset_dict.json").is_file():
         return None
     try:
-        splits = json.loads((d / "dataset_dict.json").read_text(encoding="utf-8")).get("splits")
-    except (OSError, ValueError, AttributeError):
-        return None  # the read itself (_load_disk) says what is wrong
+        splits = safe_files.read_json_object(d / "dataset_dict.json", "data.path", root=d).get(
+            "splits"
+        )
+    except FtcoreError:
+        return None  # the read itself (_disk_rows) says what is wrong
     if not isinstance(splits, list) or len(splits) < 2:
         return None
     other = next(str(s) for s in splits if s != "train")
@@ -314,11 +344,54 @@ def split_note(path: str) -> str | None:
             f"is read (another split is its own directory: e.g. data.path={d / other})")  # fmt: skip
 
 
-def _load_disk(f: Path):
-    from datasets import DatasetDict, load_from_disk
+def _parquet_rows(f: Path) -> Iterator[tuple[str, object]]:
+    """A Parquet file, one row group and one batch at a time. A row group of one row larger than
+    MAX_RECORD_BYTES (its size in the file's metadata) is a bad record and is never decoded."""
+    import pyarrow.parquet as pq
 
-    ds = load_from_disk(str(f), keep_in_memory=True)
-    return ds["train"] if isinstance(ds, DatasetDict) else ds
+    with safe_files.open_read(f, "data.path") as fh:
+        try:
+            pf = pq.ParquetFile(fh)
+            n = 1
+            for g in range(pf.metadata.num_row_groups):
+                group = pf.metadata.row_group(g)
+                if group.num_rows == 1 and group.total_byte_size > MAX_RECORD_BYTES:
+                    yield f"{f}:row {n}", RecordError(f"{f}:row {n}", _too_large())
+                else:
+                    batches = pf.iter_batches(ARROW_BATCH_ROWS, row_groups=[g], use_threads=False)
+                    yield from _arrow_rows(f, batches, n)
+                n += group.num_rows
+        except (OSError, ValueError, TypeError, NotImplementedError) as e:  # pyarrow's errors
+            raise FtcoreError(f"{f}: cannot read Parquet: {str(e)[:300]}", field="data.path",
+                              fix="check the file") from None  # fmt: skip
+
+
+def _disk_rows(d: Path) -> Iterator[tuple[str, object]]:
+    """A `save_to_disk` directory (its `train` split, for a DatasetDict): the Arrow stream files
+    its state.json lists, each inside the directory, read batch by batch."""
+    import pyarrow as pa
+
+    field, top = "data.path", d
+    if (d / "dataset_dict.json").is_file():
+        splits = safe_files.read_json_object(d / "dataset_dict.json", field, root=d).get("splits")
+        if not isinstance(splits, list) or "train" not in splits:
+            raise FtcoreError(f"{d} holds no train split", field=field,
+                              fix="save the data set with a train split, or point at it")  # fmt: skip
+        d = safe_files.inside(d, "train", field, what=str(d / "dataset_dict.json"))
+    state = safe_files.read_json_object(d / "state.json", field, root=d)
+    names = [e.get("filename") for e in state.get("_data_files") or [] if isinstance(e, dict)]
+    n = 1
+    for name in names:
+        path = safe_files.inside(d, str(name), field, what=str(d / "state.json"))
+        with safe_files.open_read(path, field, root=d) as fh:
+            try:
+                reader = pa.ipc.open_stream(fh)
+                for where, rec in _arrow_rows(top, reader, n):
+                    n += 1
+                    yield where, rec
+            except (OSError, ValueError, TypeError, NotImplementedError) as e:
+                raise FtcoreError(f"{path}: cannot read Arrow: {str(e)[:300]}", field=field,
+                                  fix="save the data set again (datasets' save_to_disk)") from None  # fmt: skip
 
 
 def _hf_dataset(name: str):
@@ -342,4 +415,6 @@ def _hf_dataset(name: str):
 
 
 def _hf_records(name: str) -> Iterator[tuple[str, object]]:
-    yield from _dataset_rows(name, _hf_dataset(name))
+    """Rows of a data set in the local Hugging Face cache (memory-mapped by `datasets`)."""
+    table = _hf_dataset(name).data.table
+    yield from _nonempty(name, _arrow_rows(name, table.to_batches(ARROW_BATCH_ROWS)))

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ftcore.errors import FtcoreError
+from ftcore.runtime import safe_files
 
 # Llama 3: bos once, then <|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|> per turn.
 LLAMA3_TEMPLATE = (
@@ -98,7 +99,7 @@ def resolve_template(tokenizer, name: str | None) -> str:
             field="data.chat_template",
             fix=f"use one of {', '.join(BUILTIN_TEMPLATES)} or a path to a Jinja template file",
         )
-    return path.read_text(encoding="utf-8")
+    return safe_files.read_text(path, "data.chat_template", limit=1 << 20)
 
 
 def describe_template(cfg, tokenizer) -> str:

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ftcore.errors import FtcoreError
+from ftcore.runtime import safe_files
 
 ARRAYS = {"ids": np.int32, "targets": np.bool_, "offsets": np.int64, "learn": np.int32}
 SUFFIX = ".tok"
@@ -42,7 +43,7 @@ class Writer:
         _remove_dead_temporaries(final)
         prefix = f"{final.stem}.tmp-{socket.gethostname()}-{os.getpid()}-"
         self.tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=prefix))
-        self.files = {k: open(self.tmp / f"{k}.bin", "wb") for k in ARRAYS}
+        self.files = {k: safe_files.create(self.tmp / f"{k}.bin") for k in ARRAYS}
         self.buf: dict[str, list[np.ndarray]] = {k: [] for k in ARRAYS}
         self.buffered, self.tokens, self.docs = 0, 0, 0
         self.files["offsets"].write(np.zeros(1, np.int64).tobytes())
@@ -74,7 +75,7 @@ class Writer:
             f.close()
         header = {"key": self.key, "tokens": self.tokens, "docs": self.docs, **meta}
         header["checksum"] = _checksum(header, self.tmp)
-        (self.tmp / "header.json").write_text(json.dumps(header))
+        safe_files.write_exclusive(self.tmp / "header.json", json.dumps(header).encode())
         if self.final.exists() and read_header(self.final, self.key) is None:
             _discard(self.final)  # stale or broken: replaced by this one
         try:
@@ -94,7 +95,7 @@ def _checksum(header: dict, entry: Path) -> str:
     """SHA-256 of the header (without its checksum) and of offsets.bin."""
     h = hashlib.sha256(json.dumps({k: v for k, v in header.items() if k != "checksum"},
                                   sort_keys=True).encode())  # fmt: skip
-    with open(entry / "offsets.bin", "rb") as f:
+    with safe_files.open_read(entry / "offsets.bin", "data.cache_dir", root=entry) as f:
         while chunk := f.read(1 << 23):
             h.update(chunk)
     return h.hexdigest()
@@ -125,7 +126,7 @@ def read_header(entry: Path, key: str) -> dict | None:
     if entry.exists() or entry.is_symlink():
         _check_owner(entry)
     try:
-        header = json.loads((entry / "header.json").read_text())
+        header = safe_files.read_json_object(entry / "header.json", "data.cache_dir", root=entry)
         sizes = {"ids": header["tokens"], "targets": header["tokens"]}
         sizes |= {"offsets": header["docs"] + 1, "learn": header["docs"]}
         if header["key"] != key:
@@ -136,7 +137,7 @@ def read_header(entry: Path, key: str) -> dict | None:
         if header.get("checksum") != _checksum(header, entry):
             return None  # altered (or written before checksums): rebuilt
         return header
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, FtcoreError):  # rebuilt
         return None
 
 

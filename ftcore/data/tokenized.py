@@ -222,6 +222,12 @@ def _dist():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
+def _barrier() -> None:
+    from ftcore.runtime import collectives  # only with a process group: torch is there already
+
+    collectives.barrier()
+
+
 def tokenize_source(
     path: str, tokenizer, data_cfg, fmt: str | None = None, field: str = "data.path"
 ) -> Tokenized:
@@ -272,7 +278,7 @@ def tokenize_source(
                 except FtcoreError as e:
                     error = e
         if dist:
-            dist.barrier()  # the builders built (or failed); the others read what they wrote
+            _barrier()  # the builders built (or failed); the others read what they wrote
     if error is not None:
         raise error
     if result is None:

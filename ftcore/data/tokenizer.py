@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ftcore.config.schema import assets_dir
 from ftcore.errors import FtcoreError
+from ftcore.runtime import safe_files
 
 
 def bundled_tokenizer_dir() -> Path:
@@ -27,8 +28,6 @@ def from_directory(path, field: str = "model.tokenizer") -> object:
     object: tests/unit/data/test_tokenizer.py). AutoTokenizer first indexes every model package of
     transformers to resolve a class name (~1.3 s of CPU), in every process that loads one.
     Only a local directory (never a Hub id: nothing is downloaded), and never its own code."""
-    import transformers
-
     p = Path(path).expanduser()
     if not p.is_dir():
         raise FtcoreError(
@@ -36,9 +35,7 @@ def from_directory(path, field: str = "model.tokenizer") -> object:
             field=field,
             fix="a local Hugging Face directory holding tokenizer.json / tokenizer_config.json",
         )
-    if p.resolve() == bundled_tokenizer_dir().resolve():
-        return transformers.PreTrainedTokenizerFast.from_pretrained(str(p))
-    return transformers.AutoTokenizer.from_pretrained(str(p), trust_remote_code=False)
+    return safe_files.tokenizer(p, field, fast=p.resolve() == bundled_tokenizer_dir().resolve())
 
 
 def load_tokenizer(cfg):
@@ -53,6 +50,8 @@ def load_tokenizer(cfg):
         )
     try:
         tok = from_directory(p)
+    except FtcoreError:
+        raise
     except Exception as e:  # transformers raises many types (OSError, ValueError, JSON errors)
         raise FtcoreError(
             f"cannot load a tokenizer from {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",

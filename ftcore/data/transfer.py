@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ftcore.runtime.dist import is_cuda
+
 
 def pin_host_batches(device: str | torch.device) -> bool:
     """Pin micro-batches whose tensors go to `device`: a CUDA device, where CUDA is there
@@ -22,8 +24,9 @@ def pin_host_batches(device: str | torch.device) -> bool:
 
 def non_blocking(device: str | torch.device) -> bool:
     """Copies to a CUDA device are enqueued, not waited for (correct from pageable memory too,
-    where the driver stages them; asynchronous from pinned memory)."""
-    return torch.device(device).type == "cuda"
+    where the driver stages them; asynchronous from pinned memory). The device audit's stand-in
+    for a CUDA device counts as one (runtime/device_audit.py)."""
+    return is_cuda(device)
 
 
 def to_device(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:

@@ -11,7 +11,6 @@ export writes the 4.x spelling, which every version reads.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -19,6 +18,7 @@ from omegaconf import DictConfig
 from ftcore.config.families import BY_ARCHITECTURE, BY_MODEL_TYPE, FAMILIES, Family
 from ftcore.errors import FtcoreError
 from ftcore.hf.moe_config import check_moe_keys, moe_export_keys, moe_fields
+from ftcore.runtime import safe_files
 
 ARCHITECTURES = tuple(BY_ARCHITECTURE)
 ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -39,14 +39,7 @@ def read_hf_config(path: str, field: str = "model.hf_path", seq_len: int | None 
     if not f.is_file():
         raise FtcoreError(f"{f} is missing", field=field,
                           fix="the directory needs the model's config.json (save it with save_pretrained)")  # fmt: skip
-    try:
-        hf = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise FtcoreError(
-            f"{f} is not valid JSON: {e}",
-            field=field,
-            fix="restore config.json from the model's original files",
-        ) from e  # fmt: skip
+    hf = safe_files.read_json_object(f, field, root=f.parent)
     _check_supported(hf, f, field)
     check_sliding_window(hf, f, seq_len)
     return hf
@@ -199,8 +192,10 @@ def hf_config_dict(model_cfg, *, dtype: str, tokenizer=None) -> dict:
     src = m.get("hf_path")
     if src and (Path(src) / "config.json").is_file():
         try:
-            base = json.loads((Path(src) / "config.json").read_text())
-        except (OSError, ValueError):
+            base = safe_files.read_json_object(
+                Path(src) / "config.json", "model.hf_path", root=Path(src)
+            )
+        except FtcoreError:
             base = {}
     for key in (
         "num_experts",  # MoE: moe_export_keys writes the published spelling

@@ -24,6 +24,7 @@ from ftcore.hf import mappings
 from ftcore.hf.config import hf_config_dict
 from ftcore.hf.io import INDEX, StreamWriter
 from ftcore.models.sharding import is_expert
+from ftcore.runtime import safe_files
 
 log = logging.getLogger("ftcore")
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
@@ -85,8 +86,11 @@ def write_metadata(out: Path, model_cfg, dtype: torch.dtype, tokenizer_dir: str 
     cfg = hf_config_dict(model_cfg, dtype=DTYPE_JSON[dtype], tokenizer=tok)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     src = model_cfg.get("hf_path")
-    if src and (Path(src) / "generation_config.json").is_file():
-        shutil.copy(Path(src) / "generation_config.json", out / "generation_config.json")
+    if src and (Path(src) / "generation_config.json").is_file():  # checked JSON, from inside src
+        gen = Path(src) / "generation_config.json"
+        safe_files.read_json_object(gen, "model.hf_path", root=Path(src))
+        safe_files.copy_file(gen, out / "generation_config.json", "model.hf_path", root=Path(src))
+    safe_files.mark_export(out, "hf_model")  # what export.overwrite may replace
 
 
 def write_tensors(out: Path, files: list[ShardFile], mine: Iterable[tuple[str, torch.Tensor]],
@@ -143,6 +147,7 @@ def write_hf_model(
 
     from ftcore.data.tokenizer import tokenizer_source
     from ftcore.models.sharding import iter_params, join_shards, shard_info
+    from ftcore.runtime import collectives
     from ftcore.runtime import dist as rdist
 
     cfg = state.cfg
@@ -160,7 +165,7 @@ def write_hf_model(
     gathered = [produced]
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, produced)
+        collectives.all_gather_object(gathered, produced)
     owners = {h: r for r, hs in enumerate(gathered) for h in hs}
     files = plan_files(s, dtype, lambda h: owners[h], cfg.export.max_shard_gb * 1e9)
     if rank == 0:
@@ -179,7 +184,7 @@ def write_hf_model(
                 group = (ps.get_expert_tensor_parallel_group() if expert
                          else ps.get_tensor_model_parallel_group())  # fmt: skip
                 shards = [torch.empty_like(data) for _ in range(n)]
-                dist.all_gather(shards, data, group=group)
+                collectives.all_gather(shards, data, group=group)
                 data = join_shards(shards, shard_info(name, p, n))
                 del shards
             if _writes(name, ranks):
@@ -200,8 +205,10 @@ def write_hf_model(
 def _barrier() -> None:
     import torch.distributed as dist
 
+    from ftcore.runtime import collectives
+
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        collectives.barrier()
 
 
 def export_checkpoint(step_dir: str | Path, run_cfg, out: str | Path, *, dtype: str | None = None,

@@ -21,6 +21,8 @@ from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
 from ftcore.hf import fused_experts, mappings
+from ftcore.precision import delayed
+from ftcore.runtime import safe_files
 
 log = logging.getLogger("ftcore")
 INDEX = "model.safetensors.index.json"
@@ -37,7 +39,7 @@ def _header(path: Path, field: str, wanted: str | None = None) -> dict:
                           fix="copy the complete model directory (every file the index names)")  # fmt: skip
     size = path.stat().st_size
     try:
-        with open(path, "rb") as f:
+        with safe_files.open_read(path, field, root=path.parent) as f:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > MAX_HEADER:  # refused before a byte of it is read (safetensors' own limit)
                 raise ValueError(f"header of {n} bytes, over safetensors' {MAX_HEADER}-byte limit")
@@ -66,17 +68,15 @@ class SafetensorsDir:
         self.files: dict[str, Path] = {}
         self._headers: dict[Path, dict] = {}
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError) as e:
-                raise FtcoreError(
-                    f"{index} is not a valid safetensors index ({e})",
-                    field=field,
-                    fix="download model.safetensors.index.json again",
-                ) from e
-            self.files = {k: self.root / v for k, v in weight_map.items()}
+            weight_map = safe_files.read_json_object(index, field, root=self.root).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise FtcoreError(f"{index} is not a valid safetensors index (no weight_map)",
+                                  field=field, fix="download model.safetensors.index.json again")  # fmt: skip
+            # every file it names inside this directory: never an absolute path, `..` or a link out
+            self.files = {k: safe_files.inside(self.root, str(v), field, what=str(index))
+                          for k, v in weight_map.items()}  # fmt: skip
         else:
-            shards = sorted(self.root.glob("*.safetensors"))
+            shards = safe_files.entries(self.root, field, "*.safetensors")
             if not shards:
                 raise FtcoreError(f"{self.root} holds no *.safetensors files", field=field,
                                   fix="save the model with safe_serialization (the default)")  # fmt: skip
@@ -126,12 +126,12 @@ class SafetensorsDir:
 
     def read(self, piece: mappings.Piece) -> torch.Tensor:
         """Only the rows/columns of `piece`, copied out of the memory-mapped file."""
-        from safetensors import SafetensorError, safe_open
+        from safetensors import SafetensorError
 
         path, _ = self.entry(piece.hf)
         r = slice(*piece.rows) if piece.rows else slice(None)
         try:
-            with safe_open(str(path), framework="pt") as f:
+            with safe_files.safetensors_open(path, self.field, root=self.root) as f:
                 sl = f.get_slice(piece.hf)
                 c = slice(*piece.cols) if piece.cols else slice(None)
                 if piece.expert is not None:  # one expert of a fused [E, rows, cols] tensor
@@ -197,7 +197,9 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
     alone and writes it into the shared scale_inv: rows written earlier would be decoded with the
     last piece's scale, with no error (TE's tensor/float8_tensor.py and quantized_tensor.py). So
     its shard is assembled in high precision (its dtype, on its device) and written with one
-    `copy_`, which quantizes with the whole shard's amax: one extra shard at a time.
+    `copy_`, which quantizes with the whole shard's amax: one extra shard at a time. Under delayed
+    scaling that `copy_` casts with the quantizer's stored scale (1 before any step) instead: the
+    scale is first set from the shard's amax by TE's own update rule (precision/delayed.py).
 
     QLoRA's base linears go the same way without ever holding full-precision storage: their
     parameter is a meta placeholder whose `take_whole` quantizes the assembled shard to NF4
@@ -234,6 +236,7 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
         if take is not None:
             take(dst)  # quantized as read: the full-precision shard is dropped right here
         elif whole:
+            delayed.scale_for_load(p, dst, cfg.precision.fp8_margin)  # fp8_delayed: not scale 1
             p.copy_(dst)
         del dst
     log.info("loaded %s weights from %s", field, root)
@@ -284,7 +287,7 @@ class StreamWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         self.tmp = path.with_name(path.name + ".tmp")
-        self.f = open(self.tmp, "wb")
+        self.f = safe_files.create(self.tmp)
         self.f.write(struct.pack("<Q", len(raw)) + raw)
         self.data_start = 8 + len(raw)
         self.pending = set(self.entries)

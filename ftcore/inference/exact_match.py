@@ -7,6 +7,7 @@ import logging
 
 from ftcore.errors import FtcoreError
 from ftcore.inference.generation import generate_ids, stop_ids
+from ftcore.runtime import safe_files
 
 log = logging.getLogger("ftcore")
 
@@ -72,7 +73,7 @@ def accuracy(state, what: str, before: float | None = None) -> float:
                  res["correct"], res["total"], "" if before is None else f" (before: {100 * before:.1f}%)",
                  "; ".join(f"{s['expected']!r} -> {s['answer']!r}" for s in res["samples"][:2]))  # fmt: skip
         f = state.run_dir / "accuracy.json"
-        saved = json.loads(f.read_text()) if f.is_file() else {}
+        saved = safe_files.read_json_object(f, "run.dir", root=f.parent) if f.is_file() else {}
         saved[what] = {k: res[k] for k in ("accuracy", "correct", "total")} | {"step": state.step}
-        f.write_text(json.dumps(saved, indent=1) + "\n")
+        safe_files.write_atomic(f, json.dumps(saved, indent=1) + "\n")
     return res["accuracy"]

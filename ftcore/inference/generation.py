@@ -20,6 +20,7 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
 from ftcore.errors import FtcoreError
+from ftcore.runtime import collectives
 from ftcore.runtime import dist as rdist
 
 log = logging.getLogger("ftcore")
@@ -85,7 +86,7 @@ def _share(ids: torch.Tensor, chooser: bool) -> torch.Tensor:
         return ids.to(torch.int64).cpu()
     t = ids if chooser else torch.zeros_like(ids)
     t = t.to(device=rdist.comm_device(), dtype=torch.int64)
-    dist.all_reduce(t)
+    collectives.all_reduce(t)
     return t.cpu()
 
 

@@ -8,7 +8,10 @@ renormalised numbers). megatron's router with `moe_router_pre_softmax=False` is 
 top k of the logits are the top k of the softmax), with True the former without renormalising.
 Experts: SequentialMLP (one megatron MLP per local expert) on CPU (and wherever megatron's local
 layers are built: QLoRA, precision.te_layers=false, the dry build without TE), TEGroupedMLP and
-TE's fused permutation on GPU with TE, as Megatron-Bridge's Qwen3-MoE recipes run them.
+TE's fused permutation on GPU with TE, as Megatron-Bridge's Qwen3-MoE recipes run them. With LoRA
+on the experts, the GPU keeps megatron's TE spec (TE attention, TE linears, TE's permutation) with
+SequentialMLP experts of TE linears, one module per expert, which ftcore's expert LoRA wraps: a
+grouped GEMM holds every expert's weight in one module.
 """
 
 from __future__ import annotations
@@ -20,6 +23,21 @@ from omegaconf import DictConfig
 
 def is_moe(m) -> bool:
     return bool(m.get("num_experts"))
+
+
+# peft.target_modules naming the experts' linears (peft/config.py SLICES: linear_fc1, linear_fc2)
+EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj", "linear_fc1", "linear_fc2")
+
+
+def expert_adapters(cfg: DictConfig) -> bool:
+    """LoRA on the experts' linears: they are built one module per expert (SequentialMLP)."""
+    peft = cfg.get("peft") or {}
+    targets = {str(t) for t in peft.get("target_modules") or ()}
+    return (
+        is_moe(cfg.model)
+        and peft.get("name", "none") != "none"
+        and bool(targets & set(EXPERT_TARGETS))
+    )
 
 
 def layer_pattern(m) -> list[int]:
@@ -42,7 +60,8 @@ def transformer_kwargs(cfg: DictConfig, *, on_cpu: bool) -> dict:
     moe = cfg.get("moe") or {}
     from ftcore.precision import recipes
 
-    grouped = not on_cpu and recipes.use_te(cfg)  # TEGroupedMLP and TE's fused permutation
+    te = not on_cpu and recipes.use_te(cfg)
+    grouped = te and not expert_adapters(cfg)  # TEGroupedMLP
     return dict(
         num_moe_experts=int(m.num_experts),
         moe_ffn_hidden_size=int(m.moe_ffn_hidden_size or m.ffn_hidden_size),
@@ -58,17 +77,37 @@ def transformer_kwargs(cfg: DictConfig, *, on_cpu: bool) -> dict:
         moe_token_drop_policy="probs",
         moe_layer_freq=layer_pattern(m),
         moe_grouped_gemm=grouped,
-        moe_permute_fusion=grouped,
+        moe_permute_fusion=te,  # TE's fused permutation, grouped experts or not
+        # FP8/FP4 expert GEMMs take a multiple of 16 rows per expert (32 for MXFP8/FP4): the
+        # dispatcher pads the routing map to it (zero-probability pairs, no change to the output),
+        # so TE's grouped experts find nothing to pad and unpad in every layer (its Fp8Padding
+        # returns aligned input as it is: TE 2.9, pytorch/module/fp8_padding.py)
+        moe_router_padding_for_quantization=te and recipes.is_quantized(cfg),
         expert_model_parallel_size=p.get("ep", 1),
         expert_tensor_parallel_size=p.get("etp", 1),
     )
 
 
+def router_without_te() -> None:
+    """megatron-core 0.16.1's moe_utils binds `te_general_gemm` only when Transformer Engine
+    imports, and `RouterGatingLinearFunction.forward` tests `te_general_gemm is not None`: a
+    NameError at the first router forward wherever TE is missing (a GPU without TE too, where the
+    CPU runtime's fixes, runtime/cpu_moe.py, are not installed). Bound to None, megatron's own
+    "no TE" value (extensions/transformer_engine.py). Idempotent; called for every MoE build."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def moe_layer_spec(cfg: DictConfig, dense_spec, *, on_cpu: bool):
     """An MoE layer's spec. CPU: the local dense spec with megatron's MoE layer (SequentialMLP
-    experts) as its MLP; GPU: megatron's TE spec with TEGroupedMLP experts (its pre-MLP norm is a
-    TENorm of its own, not fused into the first linear as in the dense TE layer)."""
+    experts) as its MLP; GPU: megatron's TE spec with TEGroupedMLP experts, or SequentialMLP
+    experts of TE linears under expert LoRA (its pre-MLP norm is a TENorm of its own, not fused
+    into the first linear as in the dense TE layer)."""
     from ftcore.config.families import family
+
+    router_without_te()
 
     if not on_cpu:
         from megatron.core.models.gpt.gpt_layer_specs import (
@@ -76,7 +115,7 @@ def moe_layer_spec(cfg: DictConfig, dense_spec, *, on_cpu: bool):
         )
 
         return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=int(cfg.model.num_experts), moe_grouped_gemm=True,
+            num_experts=int(cfg.model.num_experts), moe_grouped_gemm=not expert_adapters(cfg),
             qk_layernorm=family(cfg.model).qk_layernorm,
         )  # fmt: skip
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec

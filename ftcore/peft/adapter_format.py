@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ftcore.errors import FtcoreError
 from ftcore.hf.io import weights_source
@@ -36,6 +36,7 @@ from ftcore.peft.config import (
     settings,
 )
 from ftcore.peft.experts import adapter_params, shard_group_of
+from ftcore.runtime import collectives, safe_files
 from ftcore.runtime import dist as rdist
 
 log = logging.getLogger("ftcore")
@@ -73,17 +74,17 @@ def gather_full(chunks, *, everywhere: bool = False) -> dict[str, torch.Tensor] 
         shards = [data]
         if tp > 1:
             shards = [torch.empty_like(data) for _ in range(tp)]
-            dist.all_gather(shards, data, group=group)
+            collectives.all_gather(shards, data, group=group)
         if lead:
             mine[name] = join_shards(shards, shard_info(name, p, tp)).cpu()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
     if everywhere:
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
+        collectives.all_gather_object(parts, mine)
     else:
         parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, parts, dst=0)
+        collectives.gather_object(mine, parts, dst=0)
         if dist.get_rank() != 0:
             return None
     out = {}
@@ -168,6 +169,7 @@ def save_adapter(
     tmp.mkdir(parents=True)
     save_file(sd, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
     write_adapter_config(tmp, s, targets, base, params)  # PEFT's file, without importing peft
+    safe_files.mark_export(tmp, "hf_adapter")  # what export.overwrite may replace
     with_umask(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
@@ -197,8 +199,12 @@ def read_adapter(path) -> tuple[dict, dict[str, torch.Tensor]]:
     config = read_adapter_config(str(path))
     f = adapter_file(path)
     if f.name == ADAPTER_FILE:
-        return config, load_file(str(f))
-    return config, torch.load(f, map_location="cpu", weights_only=True)
+        return config, safe_files.load_safetensors(f, "peft.adapter_path", root=f.parent)
+    sd = safe_files.torch_load(f, "peft.adapter_path", root=f.parent)
+    if not isinstance(sd, dict) or not all(isinstance(t, torch.Tensor) for t in sd.values()):
+        raise FtcoreError(f"{f} holds no tensors by name", field="peft.adapter_path",
+                          fix="a PEFT adapter directory")  # fmt: skip
+    return config, sd
 
 
 @torch.no_grad()

@@ -5,15 +5,14 @@ the tensor shapes in the safetensors header."""
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omegaconf import DictConfig
-from safetensors import safe_open  # torch-free with framework="numpy"
 
 from ftcore.errors import FtcoreError
+from ftcore.runtime import safe_files
 
 # Hugging Face names of the slices of each megatron linear, in fused order.
 SLICES = {
@@ -134,18 +133,12 @@ def plan_targets(targets) -> dict[str, dict[str, str]]:
 
 
 def read_adapter_config(path: str) -> dict:
+    """adapter_config.json as data: any parse error (a 5,000-digit number too) is exit 2."""
     f = Path(path) / CONFIG_FILE
     if not f.is_file():
         raise FtcoreError(f"{f} does not exist", field="peft.adapter_path",
                           fix="point peft.adapter_path at a PEFT adapter directory (e.g. a run's hf_adapter/)")  # fmt: skip
-    try:
-        return json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise FtcoreError(
-            f"{f} is not valid JSON: {e}",
-            field="peft.adapter_path",
-            fix="restore adapter_config.json as PEFT wrote it",
-        ) from e  # fmt: skip
+    return safe_files.read_json_object(f, "peft.adapter_path", root=f.parent)
 
 
 def adapter_file(path) -> Path:
@@ -179,12 +172,14 @@ def by_module(sd: dict, field: str) -> dict[tuple[int, str, str], object]:
 def adapter_shapes(path) -> dict[str, tuple[int, ...]]:
     """{PEFT key: shape} of an adapter directory, read from the safetensors header."""
     f = adapter_file(path)
+    field = "peft.adapter_path"
     if f.name == LEGACY_ADAPTER_FILE:
-        import torch  # lazy: only a legacy .bin needs torch; keeps it out of the config checks
-
-        sd = torch.load(f, map_location="cpu", weights_only=True)
+        sd = safe_files.torch_load(f, field, root=f.parent)  # imports torch: only a legacy .bin
+        if not isinstance(sd, dict) or not all(hasattr(t, "shape") for t in sd.values()):
+            raise FtcoreError(f"{f} holds no tensors by name", field=field,
+                              fix="a PEFT adapter directory")  # fmt: skip
         return {k: tuple(t.shape) for k, t in sd.items()}
-    with safe_open(str(f), framework="numpy") as st:
+    with safe_files.safetensors_open(f, field, root=f.parent, framework="numpy") as st:
         return {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
 
 

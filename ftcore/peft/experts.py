@@ -10,8 +10,9 @@ etp > 1 the replicated factor sees only this rank's part of the product, so its 
 summed over the expert TP group (megatron's copy region on the weight: identity forward,
 all-reduce backward). Each adapter parameter carries the base weight's `allreduce` flag, so
 megatron's DDP reduces its gradient over the expert data-parallel group, as the base experts'
-would. The GPU spec's grouped experts (TEGroupedMLP) hold one weight per expert in a grouped
-GEMM; adapters there are refused before the build (peft/moe_format.py).
+would. On a GPU with Transformer Engine, targeting the experts builds them as SequentialMLP of TE
+linears (models/moe.py), which these wrap the same way; TE's grouped experts (TEGroupedMLP) would
+hold every expert's weight in one module.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class ExpertLoraLinear(LoraParallelLinear):
 
     def forward(self, x, *args, **kwargs):
         out, bias = self.base_layer(x, *args, **kwargs)
+        if not self.adapters_on:  # DPO's reference (peft/reference.py)
+            return out, bias
         if self.dropout and self.training:
             x = F.dropout(x, self.dropout, True)
         if self.column:
@@ -107,6 +110,8 @@ def wrap_experts(mlp, plan: dict, *, geo: Geometry, r: int, scale: float, dropou
 
 def _router_gating(self, input: torch.Tensor):
     logits = self._ftcore_gating(input)
+    if not self.adapters_on:  # DPO's reference (peft/reference.py)
+        return logits
     a, b = self.lora_A["gate"], self.lora_B["gate"]
     x = input.to(logits.dtype)
     return logits + F.linear(F.linear(x, (a * self.lora_scale).to(x.dtype)), b.to(x.dtype))
@@ -122,5 +127,6 @@ def adapt_router(router, *, geo: Geometry, r: int, scale: float, dtype, sp: bool
     for p in (router.lora_A["gate"], router.lora_B["gate"]):
         p.sequence_parallel = sp
     router.lora_scale = scale
+    router.adapters_on = True  # the switch peft/reference.py turns off, as on a LoRA linear
     router._ftcore_gating = router.gating
     router.gating = types.MethodType(_router_gating, router)

@@ -30,6 +30,7 @@ from ftcore.peft.experts import (
 )
 from ftcore.peft.layers import LoraParallelLinear
 from ftcore.peft.te_layers import lora_linear  # the TE variant over TE linears (GPU spec)
+from ftcore.runtime import collectives
 from ftcore.runtime import dist as rdist
 
 log = logging.getLogger("ftcore")
@@ -164,7 +165,7 @@ def count_params(cfg: DictConfig, chunks: list) -> tuple[int, int]:
         trainable += n if p.requires_grad else 0
     t = torch.tensor([trainable, total], dtype=torch.float64, device=rdist.comm_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
+        collectives.all_reduce(t)
     return int(t[0]), int(t[1])
 
 

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ftcore.errors import FtcoreError
 from ftcore.hf.ckpt_reader import CheckpointReader
@@ -40,6 +40,7 @@ from ftcore.peft.config import (
 )
 from ftcore.peft.layers import fuse_column
 from ftcore.precision.recipes import check_merge
+from ftcore.runtime import safe_files
 
 log = logging.getLogger("ftcore")
 
@@ -86,7 +87,7 @@ def write_merged_model(base_dir, adapter_dir, out_dir) -> Path:
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     adapter_config, sd = read_adapter(adapter_dir)
     deltas = merge_deltas(adapter_config, sd)
-    shards = sorted(base_dir.glob("*.safetensors"))
+    shards = safe_files.entries(base_dir, "model.hf_path", "*.safetensors")
     if not shards:
         raise FtcoreError(f"{base_dir} has no safetensors weights", field="model.hf_path",
                           fix="model.hf_path=DIR holding the base's *.safetensors")  # fmt: skip
@@ -95,7 +96,7 @@ def write_merged_model(base_dir, adapter_dir, out_dir) -> Path:
     tmp.mkdir(parents=True)
     done = set()
     for f in shards:
-        weights = load_file(str(f))
+        weights = safe_files.load_safetensors(f, "model.hf_path", root=base_dir)
         done |= set(deltas) & set(weights)
         save_file(merge_state(weights, deltas), str(tmp / f.name), metadata={"format": "pt"})
     missing = set(deltas) - done
@@ -103,9 +104,10 @@ def write_merged_model(base_dir, adapter_dir, out_dir) -> Path:
         raise FtcoreError(f"the base has no {sorted(missing)[0]} (and {len(missing) - 1} more): the "
                           "adapter was trained on another base", field="export.merge",
                           fix="model.hf_path=<the base the adapter was trained on>")  # fmt: skip
-    for f in base_dir.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and not (tmp / f.name).exists():
-            shutil.copy2(f, tmp / f.name)
+    for f in safe_files.entries(base_dir, "model.hf_path"):  # never a link out of the base
+        if f.suffix != ".safetensors" and not (tmp / f.name).exists():
+            safe_files.copy_file(f, tmp / f.name, "model.hf_path", root=base_dir)
+    safe_files.mark_export(tmp, "merged model")
     with_umask(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)

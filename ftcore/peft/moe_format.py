@@ -122,16 +122,16 @@ def check_moe_targets(cfg, targets, plan: dict) -> None:
             fix="peft=lora (bf16 experts; plan with ep to fit them)",
         )  # fmt: skip
     fc1 = set(plan.get("linear_fc1", {}))
-    grouped = (cfg.get("cluster") or {}).get("device", "cpu") != "cpu" and (
+    te = (cfg.get("cluster") or {}).get("device", "cpu") != "cpu" and (
         cfg.precision.get("te_layers", True)
     )
-    if (fc1 or "linear_fc2" in plan) and grouped:
+    etp = int((cfg.get("parallel") or {}).get("etp", 1))
+    if (fc1 or "linear_fc2" in plan) and te and etp > 1:
         raise FtcoreError(
-            "LoRA on the experts runs on megatron's SequentialMLP (local layers); Transformer "
-            "Engine's grouped experts (TEGroupedMLP, one grouped GEMM for all experts) take no "
-            "adapters yet", field=field,
-            fix="precision.te_layers=false (SequentialMLP experts on GPU), or target attention "
-                "and the router only (q_proj,k_proj,v_proj,o_proj,gate)",
+            f"LoRA on the experts with parallel.etp={etp} on Transformer Engine's per-expert "
+            "linears: megatron hands TE no expert TP group there (it splits them itself), which "
+            "ftcore's expert adapters have not been built for", field="parallel.etp",
+            fix="parallel.etp=1 (experts whole on their EP rank), or precision.te_layers=false",
         )  # fmt: skip
     if len(fc1) == 1:
         raise FtcoreError(

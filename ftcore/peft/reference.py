@@ -13,13 +13,15 @@ from ftcore.models.sharding import iter_params
 from ftcore.peft.layers import LoraParallelLinear
 
 
-def _lora_layers(chunks) -> list[LoraParallelLinear]:
-    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, LoraParallelLinear)]
+def _lora_layers(chunks) -> list:
+    """The modules with an adapter switch: LoRA linears (experts' too) and adapted routers."""
+    return [m for chunk in chunks for m in chunk.modules()
+            if isinstance(m, LoraParallelLinear) or hasattr(m, "adapters_on")]  # fmt: skip
 
 
 @contextlib.contextmanager
 def adapters_off(chunks):
-    """Every LoRA linear of `chunks` runs its frozen base alone while inside."""
+    """Every LoRA linear and adapted router of `chunks` runs its frozen base alone while inside."""
     layers = _lora_layers(chunks)
     for m in layers:
         m.adapters_on = False

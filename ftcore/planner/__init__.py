@@ -182,5 +182,6 @@ def plan(cfg: DictConfig, world_size: int | None = None) -> dict:
             "optimizer": st.optimizer_s,
             "overhead": st.overhead_s,
             "ep_a2a": st.ep_comm_s,
+            "host_bound": st.host_bound_s,
         },
     }

@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 from ftcore.planner import cp
 from ftcore.planner.layers import split_layers
 from ftcore.planner.params import is_moe, lora_plan, moe_layer_count, padded_vocab
+from ftcore.planner.view import memo
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
@@ -72,6 +73,7 @@ class Shape:
     fe: int = 0  # an expert's ffn width
     etp: int = 1
     routed: float = 1.0  # the busiest EP rank's routed tokens over the mean
+    local_experts: int = 0  # experts per EP rank
 
     def recomputes(self, module: str) -> bool:
         """Selective recompute of `module` (core_attn | mlp | layernorm): parallel.recompute_modules."""
@@ -114,6 +116,10 @@ def reference_forwards(cfg) -> int:
 
 
 def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
+    return memo(cfg, ("shape", micro_batch), lambda: _shape_of(cfg, micro_batch))
+
+
+def _shape_of(cfg: DictConfig, micro_batch: int | None) -> Shape:
     m, p, pr = cfg.model, cfg.parallel, cfg.precision
     d = m.kv_channels or m.hidden_size // m.num_attention_heads
     te = cfg.cluster.device != "cpu"
@@ -185,6 +191,7 @@ def moe_fields(cfg) -> dict:
         fe=m.moe_ffn_hidden_size or m.ffn_hidden_size,
         etp=getattr(p, "etp", 1) or 1,
         routed=routed_factor(cfg),
+        local_experts=m.num_experts // (getattr(p, "ep", 1) or 1),
     )
 
 

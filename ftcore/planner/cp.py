@@ -29,16 +29,25 @@ SEARCHED = ("p2p", "all_gather", "a2a")  # a2a+p2p needs megatron's hierarchical
 THD_COMM_TYPES = ("p2p",)
 
 
-def thd_under_te(cfg) -> bool:
-    """Packed rows reach Transformer Engine's attention as THD: data.packing on a GPU cluster with
-    TE layers (QLoRA and precision.te_layers=false build megatron's local layers, and the CPU
-    runtime's all-gather attention takes any comm type)."""
+def te_attention(cfg) -> bool:
+    """Transformer Engine's attention runs, and with it parallel.cp_comm_type: a GPU cluster with
+    TE layers. QLoRA and precision.te_layers=false build megatron's local layers, whose CP
+    attention (models/local/cp_attention.py) all-gathers K/V whatever the key says, as the CPU
+    runtime's does."""
     return bool(
-        cfg.data.packing
-        and cfg.cluster.device != "cpu"
-        and cfg.precision.te_layers
-        and cfg.peft.name != "qlora"
+        cfg.cluster.device != "cpu" and cfg.precision.te_layers and cfg.peft.name != "qlora"
     )
+
+
+def local_on_gpu(cfg) -> bool:
+    """A GPU cluster running megatron's local layers: parallel.cp_comm_type does nothing there."""
+    return cfg.cluster.device != "cpu" and not te_attention(cfg)
+
+
+def thd_under_te(cfg) -> bool:
+    """Packed rows reach Transformer Engine's attention as THD: data.packing where TE's attention
+    runs (te_attention)."""
+    return bool(cfg.data.packing and te_attention(cfg))
 
 
 def comm_type(parallel) -> str:
@@ -86,13 +95,21 @@ def _heads_divide(model, tp: int, n: int) -> bool:
 
 
 def layout_problem(
-    model, tp: int, cp: int, comm: str, sizes=None, thd: bool = False
+    model, tp: int, cp: int, comm: str, sizes=None, thd: bool = False, local: bool = False
 ) -> tuple[str, str, str] | None:
     """(field, what is wrong, the fix) when TE would refuse this CP layout, else None. `thd`:
-    packed rows go to TE's attention (thd_under_te)."""
+    packed rows go to TE's attention (thd_under_te); `local`: megatron's local layers run on a GPU
+    cluster (local_on_gpu), which ignore any comm type but the default."""
     if comm not in COMM_TYPES:
         return ("parallel.cp_comm_type", f"{comm!r} is not one of {', '.join(COMM_TYPES)}",
                 "p2p (the default) works for every model")  # fmt: skip
+    if cp > 1 and local and comm != "p2p":
+        return ("parallel.cp_comm_type",
+                f"{comm} would do nothing: megatron's local layers (precision.te_layers=false, "
+                "QLoRA) attend under context parallelism with ftcore's own all-gather "
+                "(models/local/cp_attention.py), whatever parallel.cp_comm_type says",
+                "leave parallel.cp_comm_type at p2p (the default), or run Transformer Engine's "
+                "layers (precision.te_layers=true, not QLoRA), which take it")  # fmt: skip
     if cp > 1 and thd and comm not in THD_COMM_TYPES:
         return ("parallel.cp_comm_type",
                 f"{comm} cannot take packed rows: Transformer Engine's context-parallel attention "

@@ -36,6 +36,7 @@ from ftcore.planner.params import (
     moe_layer_count,
     padded_vocab,
 )
+from ftcore.planner.view import memo
 
 FLASH_BWD = 2.5  # flash-attention backward work relative to its forward
 
@@ -121,6 +122,11 @@ def _moe_layer_flops(cfg, shapes, adapters_of, passes: int) -> tuple[float, floa
 
 
 def micro_batch_work(cfg: DictConfig, pp_rank: int) -> Work:
+    """What one GPU of a pipeline rank executes for one micro-batch (read-only: memoised)."""
+    return memo(cfg, ("work", pp_rank), lambda: _micro_batch_work(cfg, pp_rank))
+
+
+def _micro_batch_work(cfg: DictConfig, pp_rank: int) -> Work:
     m, p = cfg.model, cfg.parallel
     tp = p.tp
     tokens = cfg.data.seq_len // p.cp * cfg.train.micro_batch_size * rows_per_item(cfg)

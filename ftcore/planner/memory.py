@@ -25,16 +25,22 @@ of its training and its load peak (plus the reserve).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
 from ftcore.planner import activations as act
-from ftcore.planner import calibration, cp
+from ftcore.planner import buffers, calibration, cp, userbuffers
 from ftcore.planner.layers import split_layers
-from ftcore.planner.params import Param, init_method, linear_shapes, padded_vocab, rank_params
-from ftcore.planner.view import view
+from ftcore.planner.params import (
+    chunk_runs,
+    init_method,
+    linear_shapes,
+    padded_vocab,
+    rank_params,
+    run_params,
+)
+from ftcore.planner.view import shared_cache, view
 
 
 def margin(cfg, stage) -> float:
@@ -58,9 +64,6 @@ def grad_bytes(cfg: DictConfig) -> int:
     """Bytes per element of megatron's grad buffers (models/speed.py: perf.grad_reduce_dtype)."""
     dtype = getattr(getattr(cfg, "perf", None), "grad_reduce_dtype", "fp32")
     return 4 if dtype == "fp32" else act.DTYPE_BYTES[cfg.precision.params_dtype]
-
-
-PARAM_ALIGN = 64  # megatron param_and_grad_buffer: params start 128-byte aligned (64 values)
 
 
 @dataclass
@@ -90,39 +93,6 @@ class StageMemory:
         return max(terms.items(), key=lambda kv: kv[1])
 
 
-def _pad(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def buffer_layout(
-    params: list[Param], dp: int, distributed: bool
-) -> tuple[list[tuple[int, int]], int]:
-    """(start, end) of each trainable param in megatron's DDP buffer (filled in reverse order) and
-    the buffer's padded size. One bucket: ftcore runs DDP without overlapped grad reduction."""
-    starts, pos = [], 0
-    for p in reversed(params):
-        if distributed:
-            pos = _pad(pos, PARAM_ALIGN)
-        starts.append((pos, pos + p.numel))
-        pos += p.numel
-    size = _pad(pos, math.lcm(dp, 128)) if distributed else pos
-    return starts, size
-
-
-def _shard_elements(
-    ranges: list[tuple[int, int]], size: int, dp: int, dp_rank: int
-) -> tuple[int, int]:
-    """(parameter elements, parameter tensors) inside dp rank's shard of the buffer."""
-    lo, hi = size // dp * dp_rank, size // dp * (dp_rank + 1)
-    elems = tensors = 0
-    for a, b in ranges:
-        n = min(b, hi) - max(a, lo)
-        if n > 0:
-            elems += n
-            tensors += 1
-    return elems, tensors
-
-
 def quantized_weight_bytes(cfg: DictConfig) -> float:
     """Bytes per element TE keeps for a quantized linear weight (0 when not quantized)."""
     pr, c = cfg.precision, cfg.cluster
@@ -137,12 +107,6 @@ def quantized_weight_bytes(cfg: DictConfig) -> float:
     if recipe == "blockwise":  # fp32 scale per 128 (1x128 / 128x128), both orientations
         return 2 * (1 + 4 / 128)
     return 2.0 if hopper else 1.0  # per-tensor scaling: transpose cache only where GEMMs need TN
-
-
-def _quantized_layer(cfg: DictConfig, layer: int) -> bool:
-    """Linears of transformer layers outside the first/last `first_last_bf16_layers` are quantized."""
-    n = cfg.precision.first_last_bf16_layers
-    return layer >= 0 and n <= layer < cfg.model.num_layers - n
 
 
 def nf4_bytes(double_quant: bool, block: int = 64) -> float:
@@ -160,56 +124,29 @@ def model_state(cfg: DictConfig, pp_rank: int, dp: int, dp_rank: int = 0) -> dic
     """Weights, grads and optimizer bytes of one rank; `dp` counts dp*cp (megatron's dp_cp group;
     expert parameters use expert_dp of it)."""
     cfg = view(cfg)
-    cache = cfg.__dict__.setdefault("_cache", {})
-    key = ("model_state", pp_rank, dp, dp_rank)
+    p = cfg.parallel
+    # everything of the layout it reads (not recompute, the micro batch, sp or the CP exchange):
+    # the search's candidates that differ only in those share it
+    key = ("model_state", p.tp, p.pp, p.vp, getattr(p, "ep", 1), getattr(p, "etp", 1),
+           p.distributed_optimizer, pp_rank, dp, dp_rank)  # fmt: skip
+    cache = shared_cache(cfg)
     if key not in cache:
         cache[key] = _model_state(cfg, pp_rank, dp, dp_rank)
     return dict(cache[key])
 
 
 def _model_state(cfg, pp_rank: int, dp: int, dp_rank: int) -> dict[str, int]:
-    pr = cfg.precision
-    pb = act.DTYPE_BYTES[pr.params_dtype]
-    gb = grad_bytes(cfg)
-    qbytes = quantized_weight_bytes(cfg)
-    param_gather = qbytes > 0 and bool(pr.fp8_param_gather)
-    qlora = cfg.peft.name == "qlora"
-    loaded = bool(cfg.model.hf_path or cfg.model.init_path)
-    on_cpu = cfg.cluster.device == "cpu"
-    out = dict(weights=0, grads=0, optimizer=0, frozen=0, trainable=0, quantized_cache=0,
-               elements=0, load_resident=0, load_in_flight=0, reference=0, expert_grads=0,
-               expert_trainable=0)  # fmt: skip
-    for chunk in rank_params(cfg, pp_rank):
-        trainable = [q for q in chunk if q.trainable]
-        for q in chunk:
-            out["elements"] += q.numel
-            quant = bool(qbytes) and q.kind == "linear" and _quantized_layer(cfg, q.layer)
-            if quant and qbytes:
-                if param_gather:  # stored quantized; no bf16 copy on the GPU
-                    out["quantized_cache"] += int(q.numel * (qbytes - 1 if q.trainable else qbytes))
-                else:
-                    out["quantized_cache"] += int(q.numel * qbytes)
-            if not q.trainable:
-                if qlora and q.kind == "linear":
-                    nbytes = int(q.numel * nf4_bytes(cfg.peft.double_quant))
-                elif quant and param_gather:
-                    nbytes = 0  # counted in quantized_cache
-                else:
-                    nbytes = q.numel * pb
-                out["frozen"] += nbytes
-                out["load_resident"] += nbytes
-                if qlora and q.kind == "linear":  # the full-precision shard quantized as read
-                    shard = q.numel * pb
-                    whole = out["load_in_flight"] + shard if not loaded else shard
-                    out["load_in_flight"] = max(out["load_in_flight"], whole)
-            elif q.kind != "lora":  # adapters are created after the load
-                out["load_resident"] += q.numel * (qbytes if quant and param_gather else pb)
-            if quant and param_gather:  # assembled in high precision, written with one copy_
-                out["load_in_flight"] = max(out["load_in_flight"], q.numel * pb)
-        for group in ([q for q in trainable if not q.expert], [q for q in trainable if q.expert]):
-            if group:
-                gdp = expert_dp(cfg, dp) if group[0].expert else dp
-                _buffer_state(out, group, gdp, dp_rank % gdp, cfg, pb, gb, param_gather, on_cpu)
+    out: dict[str, int] = {}
+    lif_sum = lif_max = 0
+    for vp_stage in range(cfg.parallel.vp):
+        chunk = _chunk_state(cfg, chunk_runs(cfg, pp_rank, vp_stage), dp, dp_rank)
+        for k, v in chunk.items():
+            if not k.startswith("lif_"):
+                out[k] = out.get(k, 0) + v
+        lif_sum, lif_max = lif_sum + chunk["lif_sum"], max(lif_max, chunk["lif_max"])
+    out["load_in_flight"] = max(lif_sum, lif_max)
+    pb = act.DTYPE_BYTES[cfg.precision.params_dtype]
+    out["reference"] = 0
     if act.reference_forwards(cfg) and cfg.peft.name == "none":
         # full fine-tuning DPO: a frozen copy of the starting weights, sharded like the policy
         # (training/dpo.py); LoRA's reference is the same model with its adapters off
@@ -218,21 +155,90 @@ def _model_state(cfg, pp_rank: int, dp: int, dp_rank: int) -> dict[str, int]:
     return out
 
 
-def _buffer_state(out, trainable, dp, dp_rank, cfg, pb, gb, param_gather, on_cpu) -> None:
-    """Add one DDP buffer's trainable weights, gradients and optimizer state to `out`."""
+def _chunk_state(cfg, runs: tuple, dp: int, dp_rank: int) -> dict[str, int]:
+    """One model chunk's bytes (its own DDP buffers), the same for every chunk of the same runs:
+    memoised across pipeline ranks and the search's layouts."""
     p = cfg.parallel
-    ranges, size = buffer_layout(trainable, dp, p.distributed_optimizer)
+    key = ("chunk", p.tp, getattr(p, "ep", 1), getattr(p, "etp", 1), p.distributed_optimizer,
+           dp, dp_rank, runs)  # fmt: skip
+    cache = shared_cache(cfg)
+    if key not in cache:
+        cache[key] = _chunk_bytes(cfg, runs, dp, dp_rank)
+    return cache[key]
+
+
+def _run_params(cfg, run) -> list[tuple]:
+    p = cfg.parallel
+    key = ("run", p.tp, getattr(p, "ep", 1), getattr(p, "etp", 1), run.what)
+    cache = shared_cache(cfg)
+    if key not in cache:
+        cache[key] = run_params(cfg, run)
+    return cache[key]
+
+
+def _chunk_bytes(cfg, runs: tuple, dp: int, dp_rank: int) -> dict[str, int]:
+    pr = cfg.precision
+    pb = act.DTYPE_BYTES[pr.params_dtype]
+    gb = grad_bytes(cfg)
+    qbytes = quantized_weight_bytes(cfg)
+    param_gather = qbytes > 0 and bool(pr.fp8_param_gather)
+    qlora = cfg.peft.name == "qlora"
+    loaded = bool(cfg.model.hf_path or cfg.model.init_path)
+    on_cpu = cfg.cluster.device == "cpu"
+    out = dict(grads=0, optimizer=0, frozen=0, trainable=0, quantized_cache=0, elements=0,
+               load_resident=0, lif_sum=0, lif_max=0, expert_grads=0, expert_trainable=0)  # fmt: skip
+    blocks = [(_run_params(cfg, run), run.count, run.quantized) for run in runs]
+    for params, k, quantized in blocks:  # k identical layers (or one non-layer parameter)
+        for _, numel, trainable, kind, _ in params:
+            out["elements"] += k * numel
+            quant = bool(qbytes) and kind == "linear" and quantized
+            if quant:
+                per = qbytes - 1 if trainable and param_gather else qbytes
+                out["quantized_cache"] += k * int(numel * per)  # param_gather: no bf16 copy
+            if not trainable:
+                if qlora and kind == "linear":
+                    nbytes = int(numel * nf4_bytes(cfg.peft.double_quant))
+                elif quant and param_gather:
+                    nbytes = 0  # counted in quantized_cache
+                else:
+                    nbytes = numel * pb
+                out["frozen"] += k * nbytes
+                out["load_resident"] += k * nbytes
+                if qlora and kind == "linear":  # the full-precision shard quantized as read:
+                    if loaded:  # one at a time
+                        out["lif_max"] = max(out["lif_max"], numel * pb)
+                    else:  # a random base is built whole first, then quantized
+                        out["lif_sum"] += k * numel * pb
+            elif kind != "lora":  # adapters are created after the load
+                out["load_resident"] += k * numel * (qbytes if quant and param_gather else pb)
+            if quant and param_gather:  # assembled in high precision, written with one copy_
+                out["lif_max"] = max(out["lif_max"], numel * pb)
+    for expert in (False, True):
+        group = [([q[1] for q in ps if q[2] and q[4] == expert], k) for ps, k, _ in blocks]
+        if any(n for n, _ in group):
+            gdp = expert_dp(cfg, dp) if expert else dp
+            _buffer_state(out, group, expert, gdp, dp_rank % gdp, cfg, pb, gb, param_gather,
+                          on_cpu)  # fmt: skip
+    return out
+
+
+def _buffer_state(out, blocks, expert, dp, dp_rank, cfg, pb, gb, param_gather, on_cpu) -> None:
+    """Add one DDP buffer's trainable weights, gradients and optimizer state to `out`; `blocks`:
+    (element counts of one copy's trainable parameters, copies), in registration order."""
+    p = cfg.parallel
+    runs, size = buffers.layout(blocks, p.distributed_optimizer, dp)
+    numel = sum(k * sum(n) for n, k in blocks)
     tb = 1 if param_gather else pb
-    weights = (size if p.distributed_optimizer else sum(q.numel for q in trainable)) * tb
+    weights = (size if p.distributed_optimizer else numel) * tb
     out["trainable"] += weights
     out["grads"] += size * gb
-    if trainable[0].expert:
+    if expert:
         out["expert_trainable"] += weights
         out["expert_grads"] += size * gb
     if p.distributed_optimizer:
-        elems, tensors = _shard_elements(ranges, size, dp, dp_rank)
+        elems, tensors = buffers.shard(runs, size, dp, dp_rank)
     else:
-        elems, tensors = sum(q.numel for q in trainable), len(trainable)
+        elems, tensors = numel, sum(k * len(n) for n, k in blocks)
     main = 4 if (pb != 4 or param_gather) else 0  # fp32 master copy of bf16/fp8 weights
     out["optimizer"] += elems * (main + 8) + (tensors * 4 if on_cpu else 0)  # + torch Adam's step
 
@@ -279,7 +285,8 @@ def stage_memory(
         grads=state["grads"],
         optimizer=state["optimizer"],
         activations=activations,
-        reserve=int(calibration.of(cfg.cluster).reserve_gib * GiB),
+        # the allowance, and TE's userbuffers where parallel.tp_comm_overlap allocates them
+        reserve=int(calibration.of(cfg.cluster).reserve_gib * GiB) + userbuffers.buffer_bytes(cfg),
         load=state["load_resident"] + state["load_in_flight"],
         parts=dict(
             load_resident=state["load_resident"],
@@ -298,6 +305,7 @@ def stage_memory(
             recompute_transient=recompute,
             cp_transient=cp_buffers,
             elements=state["elements"],
+            userbuffers=userbuffers.buffer_bytes(cfg),
         ),
     )
 

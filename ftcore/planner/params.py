@@ -97,11 +97,15 @@ def is_moe(m) -> bool:
 
 def moe_layer(m, layer: int) -> bool:
     """Whether global layer `layer` has routed experts (else a dense MLP of ffn_hidden_size)."""
-    return is_moe(m) and layer not in set(getattr(m, "moe_dense_layers", None) or ())
+    return is_moe(m) and layer not in (getattr(m, "moe_dense_layers", None) or ())
 
 
 def moe_layer_count(m) -> int:
-    return sum(moe_layer(m, i) for i in range(m.num_layers))
+    if not is_moe(m):
+        return 0
+    return m.num_layers - len(
+        set(getattr(m, "moe_dense_layers", None) or ()) & set(range(m.num_layers))
+    )
 
 
 def expert_shapes(m, etp: int) -> dict[str, tuple[int, int]]:
@@ -216,6 +220,55 @@ def chunk_params(cfg: DictConfig, pp_rank: int, vp_stage: int) -> list[Param]:
         if not m.tie_embeddings or pp > 1:
             out.append(Param("output_layer", v, full, "output"))
     return out
+
+
+class Run(NamedTuple):
+    """`count` consecutive parameters or layers of one kind in a model chunk: the embedding, the
+    final norm, the output layer, or layers ("layer", moe) whose linears are quantized or not."""
+
+    what: str | tuple[str, bool]
+    count: int
+    quantized: bool = False
+
+
+def chunk_runs(cfg: DictConfig, pp_rank: int, vp_stage: int) -> tuple[Run, ...]:
+    """chunk_params as runs (in registration order): cheap to compute and to compare, so memory
+    can reuse one chunk's bytes for every chunk made of the same runs (buffers.py)."""
+    m, p = cfg.model, cfg.parallel
+    split = split_layers(m.num_layers, p.pp, p.vp)
+    keep = cfg.precision.first_last_bf16_layers
+    kind = lambda i: (moe_layer(m, i), keep <= i < m.num_layers - keep)  # noqa: E731
+    out: list[Run] = []
+    if pp_rank == 0 and vp_stage == 0:
+        out.append(Run("embedding", 1))
+    start = split.offsets[pp_rank][vp_stage]
+    end = start + split[pp_rank][vp_stage]
+    layer = start
+    while layer < end:
+        n = 1
+        while layer + n < end and kind(layer + n) == kind(layer):
+            n += 1
+        moe, quantized = kind(layer)
+        out.append(Run(("layer", moe), n, quantized))
+        layer += n
+    if pp_rank == p.pp - 1 and vp_stage == p.vp - 1:
+        out.append(Run("final_layernorm", 1))
+        if not m.tie_embeddings or p.pp > 1:
+            out.append(Run("output_layer", 1))
+    return tuple(out)
+
+
+def run_params(cfg: DictConfig, run: Run) -> list[tuple[str, int, bool, str, bool]]:
+    """(name, elements, trainable, kind, expert) of one copy of a run, in registration order."""
+    m, p = cfg.model, cfg.parallel
+    full = cfg.peft.name == "none"
+    if isinstance(run.what, tuple):
+        return _layer_template(cfg, p.tp, run.what[1])
+    if run.what == "final_layernorm":
+        return [("final_layernorm", m.hidden_size, full, "norm", False)]
+    v = padded_vocab(m.vocab_size, p.tp) // p.tp * m.hidden_size
+    kind = "embedding" if run.what == "embedding" else "output"
+    return [(run.what, v, full, kind, False)]
 
 
 def rank_params(cfg: DictConfig, pp_rank: int) -> list[list[Param]]:

@@ -20,9 +20,35 @@ def _params_line(p: dict) -> str:
     return line
 
 
-def table(p: dict, ranked: list[dict] | None = None) -> str:
-    lay = p["layout"]
+def _search_rows(ranked: list[dict], moe: bool) -> list[str]:
     lines = [
+        "    tp  pp  vp  cp  dp"
+        + ("  ep etp" if moe else "")
+        + "  sp mbs recompute    GiB  spare  tokens/s/GPU   MFU variants"
+    ]
+    for r in ranked:
+        lines.append(
+            f"  {r['tp']:>4}{r['pp']:>4}{r['vp']:>4}{r['cp']:>4}{r['dp']:>4}"
+            + (f"{r['ep']:>4}{r['etp']:>4}" if moe else "")
+            + f"{'yes' if r['sp'] else 'no':>4}{r['micro_batch_size']:>4} "
+            f"{r['recompute']:<10}{r['memory_gib']:>6.1f}{r['spare_gib']:>7.1f}"
+            f"{r['tokens_per_s_per_gpu']:>14.0f}"
+            f"{100 * r['mfu']:>6.1f}{r['variants']:>9}"
+        )
+        lines.append(f"      {r['overrides']}")
+    if not ranked:
+        lines.append("  (none)")
+    return lines
+
+
+def table(
+    p: dict,
+    ranked: list[dict] | None = None,
+    search_world: int | None = None,
+    fewest: dict | None = None,
+) -> str:
+    lay = p["layout"]
+    lines = [f"note: {n}" for n in p.get("notes", [])] + [
         f"plan: {p['model']} {'full' if p['peft'] == 'none' else p['peft']} {p['precision']} on {p['num_gpus']} x {p['cluster']} "
         f"({p['gpu_mem_gib']:.1f} GiB each)",
         "layout: " + " ".join(f"{k}={v}" for k, v in lay.items()),
@@ -48,7 +74,9 @@ def table(p: dict, ranked: list[dict] | None = None) -> str:
         f"{w['pipeline_buffers'] + w['masks']:.2f} + the larger of logits {w['logits_transient']:.2f} "
         f"(with the loss) and a recomputed layer {w['recompute_transient']:.2f}; load peak = loaded "
         f"weights {w['load_resident']:.2f} + full-precision shard in flight "
-        f"{w['load_shard_in_flight']:.2f} (total: the larger of training and load, + reserve)",
+        f"{w['load_shard_in_flight']:.2f} (total: the larger of training and load, + reserve"
+        + (f", which holds TE's userbuffers {w['userbuffers']:.2f}" if w.get("userbuffers") else "")
+        + ")",
         f"the config's layout (above) fits: {'yes' if p['fits'] else 'NO'} ({p['memory_gib']['total']:.1f} of "
         f"{p['gpu_mem_gib']:.1f} GiB, {p['spare_gib']:.1f} spare, {p['headroom_gib']:.1f} kept as "
         f"headroom: plan.headroom of the estimated activations); fewest GPUs that fit: "
@@ -77,24 +105,14 @@ def table(p: dict, ranked: list[dict] | None = None) -> str:
             )
     if ranked is not None:
         moe = "moe" in p["params"]
-        lines += ["", f"search: the layouts on {p['num_gpus']} GPUs that fit (the headroom kept), "
+        world = search_world or p["num_gpus"]
+        lines += ["", f"search: the layouts on {world} GPUs that fit (the headroom kept), "
                   "fastest first, each with the overrides that select it (variants: settings of "
                   "the same tp/pp/cp within 2% of its speed, shown once):"]  # fmt: skip
-        lines.append(
-            "    tp  pp  vp  cp  dp"
-            + ("  ep etp" if moe else "")
-            + "  sp mbs recompute    GiB  spare  tokens/s/GPU   MFU variants"
-        )
-        for r in ranked:
-            lines.append(
-                f"  {r['tp']:>4}{r['pp']:>4}{r['vp']:>4}{r['cp']:>4}{r['dp']:>4}"
-                + (f"{r['ep']:>4}{r['etp']:>4}" if moe else "")
-                + f"{'yes' if r['sp'] else 'no':>4}{r['micro_batch_size']:>4} "
-                f"{r['recompute']:<10}{r['memory_gib']:>6.1f}{r['spare_gib']:>7.1f}"
-                f"{r['tokens_per_s_per_gpu']:>14.0f}"
-                f"{100 * r['mfu']:>6.1f}{r['variants']:>9}"
-            )
-            lines.append(f"      {r['overrides']}")
-        if not ranked:
-            lines.append("  (none)")
+        lines += _search_rows(ranked, moe)
+        if fewest is not None:
+            n = fewest["num_gpus"]
+            lines += ["", f"none fits on {world} GPUs; on {n}, the fewest that fit "
+                      f"(add cluster.num_gpus={n} to the overrides):"]  # fmt: skip
+            lines += _search_rows(fewest["rows"], moe)
     return "\n".join(lines)

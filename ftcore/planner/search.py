@@ -52,14 +52,14 @@ def _cp_options(cfg: DictConfig, tp: int) -> list[tuple[int, str | None]]:
     """(cp, cp_comm_type) pairs validation accepts for this tp (with sp when tp > 1): the same
     rules as validation/checks.py's check_sequence (planner/cp.py). cp=1 keeps the config's type."""
     out: list[tuple[int, str | None]] = [(1, None)]
-    thd = cp_rules.thd_under_te(cfg)
+    thd, local = cp_rules.thd_under_te(cfg), cp_rules.local_on_gpu(cfg)
     for c in (2, 4, 8, 16):
         if cfg.data.seq_len % cp_rules.seq_multiple(tp, tp > 1, c):
             continue
         out += [
             (c, k)
             for k in cp_rules.SEARCHED
-            if not cp_rules.layout_problem(cfg.model, tp, c, k, thd=thd)
+            if not cp_rules.layout_problem(cfg.model, tp, c, k, thd=thd, local=local)
         ]
     return out
 

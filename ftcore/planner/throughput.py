@@ -28,7 +28,7 @@ from functools import partial
 from omegaconf import DictConfig
 
 from ftcore.planner import activations as act
-from ftcore.planner import calibration, cp, ep, host
+from ftcore.planner import calibration, cp, ep, host, moe_time
 from ftcore.planner.flops import (
     FLASH_BWD,
     attention_forward_flops,
@@ -87,11 +87,13 @@ class StepTime:
     optimizer_s: float
     overhead_s: float
     ep_comm_s: float = 0.0  # MoE all-to-alls (and expert-TP gathers), exposed
+    host_bound_s: float = 0.0  # what the kernel launches add where they outlast the GPU's work
 
     @property
     def total(self) -> float:
         return (
-            self.ep_comm_s
+            self.host_bound_s
+            + self.ep_comm_s
             + self.compute_s
             + self.bubble_s
             + self.tp_comm_s
@@ -109,6 +111,11 @@ def _peak(cfg: DictConfig, precision: str) -> float:
         if key in peaks and peaks[key]:
             return float(peaks[key]) * 1e12
     raise ValueError(f"cluster {cfg.cluster.name} has no peak_tflops")
+
+
+def _peak_of(cfg: DictConfig) -> dict[str, float]:
+    """FLOP/s of the base and the quantized GEMMs (moe_time prices expert GEMMs with them)."""
+    return {"base": _peak(cfg, _base_precision(cfg)), "quant": _peak(cfg, _quant_precision(cfg))}
 
 
 def _base_precision(cfg: DictConfig) -> str:
@@ -170,7 +177,7 @@ def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
     base = _peak(cfg, _base_precision(cfg))
     # the routed experts' GEMMs run at matmul_efficiency x W / (W + W_half), W one expert's weight
     # (hidden x width / etp): small experts' grouped GEMMs run far below the large-GEMM rate
-    slow = k.expert_gemm_half_elems / sh.expert_elems if sh.moe else 0.0
+    slow = moe_time.expert_slowdown(k, sh) if sh.moe else 0.0
     t = (w.gemm_base + slow * w.expert_base) / (base * k.matmul_efficiency)
     if w.gemm_quant:
         quant = w.gemm_quant + slow * w.expert_quant
@@ -187,6 +194,9 @@ def micro_batch_time(cfg: DictConfig, pp_rank: int) -> tuple[float, float]:
     # adds its gathers and scatters); a full recompute runs the forward (a third of it) twice
     host = k.layer_overhead_s + (k.sp_layer_overhead_s if p.sp else 0.0)
     t += w.layers * host * ((4 if p.recompute == "full" else 3) + act.reference_forwards(cfg)) / 3
+    # a MoE layer's many small kernels (router, permutation, per-expert casts and GEMMs) each cost a
+    # launch latency on the GPU whatever their size: a fixed time per MoE layer and micro-batch
+    t += moe_time.latency_s(cfg, w.moe_layers)
     comm = 0.0
     if p.tp > 1:
         vol = 4 * (p.tp - 1) / p.tp * sh.tokens * sh.h * sh.ab * passes * w.layers
@@ -221,7 +231,11 @@ def step_time(cfg: DictConfig, world: int) -> StepTime:
     m = max(tr.global_batch_size // (tr.micro_batch_size * dp), 1)
     per_rank = [micro_batch_time(cfg, r) for r in range(p.pp)]
     a2a = [ep_time(cfg, r, a) for r, (a, _) in enumerate(per_rank)]
-    slowest = max(a + b + e for (a, b), e in zip(per_rank, a2a))
+    # dropless MoE: the forward waits on the host's launches after each layer's token-count sync
+    peaks = _peak_of(cfg)
+    sync = [moe_time.dropless_sync_s(cfg, r, peaks, e) for r, e in enumerate(a2a)]
+    slowest = max(a + b + e + s for (a, b), e, s in zip(per_rank, a2a, sync))
+    host_bound = m * max(sync)
     compute = m * max(a for a, _ in per_rank)
     tp_comm = m * max(b for _, b in per_rank)  # exposed TP/CP traffic
     ep_comm = m * max(a2a)
@@ -259,7 +273,7 @@ def step_time(cfg: DictConfig, world: int) -> StepTime:
     elems = dense_elems + expert_elems
     opt = elems * OPTIM_BYTES / (max(c.hbm_gbps, 1e-3) * 1e9 * HBM_EFFICIENCY)
     overhead = calibration.of(c).step_overhead_s
-    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, opt, overhead, ep_comm)
+    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, opt, overhead, ep_comm, host_bound)
 
 
 def throughput(cfg: DictConfig, world: int) -> dict:

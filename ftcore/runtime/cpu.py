@@ -127,12 +127,18 @@ def meta_device():
         torch.cuda.current_device = current
 
 
-def activate() -> None:
-    """Redirect megatron-core's torch.cuda calls to the CPU. Idempotent; call before any build."""
+def activate(*, hide_cuda: bool = False) -> None:
+    """Redirect megatron-core's torch.cuda calls to the CPU. Idempotent; call before any build.
+
+    A no-op where CUDA is available, unless `hide_cuda`: a run told to use the CPU
+    (cluster.device=cpu) on a machine with a GPU, which otherwise built megatron's model on
+    cuda:0 for every rank over gloo. Then torch.cuda.is_available() answers False for the rest of
+    the process, which runs as on a machine without a GPU."""
     global _active
-    if _active or torch.cuda.is_available():
+    if _active or (torch.cuda.is_available() and not hide_cuda):
         return
     cuda = torch.cuda
+    cuda.is_available = lambda: False
     cuda.current_device = lambda: torch.device("cpu")
     cuda.device_count = lambda: 1
     cuda.set_device = lambda *a, **k: None

@@ -16,12 +16,20 @@ Inside `shadow_devices()` each tensor also carries the device the GPU path would
 The tag belongs to the storage, so views, `.data`, `nn.Parameter(t)` and in-place ops keep it;
 `.cuda()` / `.cpu()` copy where the GPU path copies. `x.device` answers a shadow-CUDA device (a
 CPU device object that the audit recognises), so `torch.empty(n, device=x.device)` stays CUDA.
-Every torch.distributed tensor collective and point-to-point call then checks its tensors: on a
-group whose GPU-path backend takes CUDA tensors only, a host tensor raises `HostTensorInCollective`
-with the call site. Groups created with a gloo backend (megatron's `*_gloo` groups) take host
-tensors, as they do on the GPU. Not checked: object collectives (NCCL serves them once
-torch.cuda.set_device ran, which init_distributed does before the group exists), and P2POp lists
-built from the wrapped isend/irecv, which torch refuses (the CPU path's p2p is unbatched).
+ftcore's own collectives go through runtime/collectives.py, which asks this audit where each tensor
+would live and refuses a host tensor on a group that is NCCL on a GPU cluster, and a device tensor
+inside an object collective's object. Every other torch.distributed tensor collective and
+point-to-point call (megatron's) is checked here the same way: a host tensor on a group whose
+GPU-path backend takes CUDA tensors only raises `HostTensorInCollective` with the call site. Groups
+created with a gloo backend (megatron's `*_gloo` groups) take host tensors, as they do on the GPU
+(collectives.gpu_backend). Not checked here: P2POp lists built from the wrapped isend/irecv, which
+torch refuses (the CPU path's p2p is unbatched).
+
+It also records each blocking host-to-device copy (`blocking_copies()`): `.to(cuda)`, `.cuda()` or
+`copy_` of a host tensor into a CUDA one without `non_blocking=True`, and a CUDA tensor made from
+Python data (`torch.tensor(values, device="cuda")`, `cuda_tensor.new_tensor(values)`), each a host
+sync on a GPU
+(tests/unit/training/test_host_sync.py's rule; tests/gpu/test_host_sync.py counts the real ones).
 
 The mode replaces the CPU runtime's CUDA-to-CPU rewriting (`cpu.device_mode` and
 `cpu.mode_suspended` do nothing inside it) and costs Python time on every torch call: tests only.
@@ -42,7 +50,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ftcore.runtime import cpu
+from ftcore.runtime import collectives, cpu
 from ftcore.runtime import dist as rdist
 
 # What torch.cuda.current_device() and a CUDA tensor's .device answer in the audit: a CPU device
@@ -53,10 +61,13 @@ SHADOW_CUDA = torch.device("cpu")
 _active = False
 # storages the GPU path would keep in host memory, with where each was made
 _host: dict[int, tuple[StorageWeakRef, str]] = {}
-_gloo_groups: set = set()  # groups created with a CPU-capable backend
+_copies: list[str] = []  # call sites of blocking host-to-device copies, in order
+# storages explicitly placed on the GPU (a CUDA device named, .cuda(), .to(cuda)): what an object
+# collective must not pickle. Derived tensors are not tracked (a miss, never an invention).
+_placed: dict[int, StorageWeakRef] = {}
 _DEVICE_GET = torch.Tensor.device.__get__
 _TORCH = os.sep + "torch" + os.sep
-_SKIP = ("device_audit.py", os.sep + "runtime" + os.sep + "cpu.py")
+_SKIP = tuple(os.sep + os.path.join("runtime", n) for n in ("device_audit.py", "cpu.py"))
 _TENSOR_COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
     "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single",
@@ -64,8 +75,7 @@ _TENSOR_COLLECTIVES = (
 )  # fmt: skip
 
 
-class HostTensorInCollective(RuntimeError):
-    """A collective got a tensor the GPU path would keep on the host, on a CUDA-only group."""
+HostTensorInCollective = collectives.HostTensorInCollective
 
 
 def active() -> bool:
@@ -90,6 +100,24 @@ def host_origin(t: torch.Tensor) -> str | None:
         del _host[k]
         return None
     return entry[1]
+
+
+def placed_on_device(t: torch.Tensor) -> bool:
+    """Whether the tensor's storage was explicitly put on the GPU (and is not a host one)."""
+    k = _key(t)
+    ref = _placed.get(k) if k is not None else None
+    return ref is not None and not ref.expired() and not is_host(t)
+
+
+def _mark_placed(t: torch.Tensor) -> None:
+    k = _key(t)
+    if k is None:
+        return
+    if len(_placed) > 4096:  # drop the dead ones now and then
+        for dead in [k for k, r in _placed.items() if r.expired()]:
+            del _placed[dead]
+    with torch._C.DisableTorchFunction():
+        _placed[k] = StorageWeakRef(t.untyped_storage())
 
 
 def is_host(t: torch.Tensor) -> bool:
@@ -135,6 +163,8 @@ class ShadowDeviceMode(TorchFunctionMode):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)  # megatron's grad-clip check wants CUDA type names, as cpu.py's mode
             return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        if _blocking_h2d(func, args, kwargs):
+            _copies.append(_call_site())
         want = None  # "cuda" / "host" when the call names a device; else the inputs decide
         if kwargs.get("device") is not None:
             want = "cuda" if _is_cuda(kwargs["device"]) else "host"
@@ -157,6 +187,33 @@ class ShadowDeviceMode(TorchFunctionMode):
         return _tag(out, args, kwargs, want)
 
 
+def _blocking_h2d(func, args, kwargs) -> bool:
+    """A copy from host memory into a CUDA tensor that the host waits for on a GPU."""
+    asked = kwargs.get("non_blocking", False) or any(a is True for a in args[1:])
+    if func is torch.Tensor.copy_:
+        src = args[1] if len(args) > 1 else kwargs.get("src")
+        return isinstance(src, torch.Tensor) and is_host(src) and not is_host(args[0]) and not asked
+    if func is torch.Tensor.__setitem__:  # a 0-dim host value is read as a number: no copy
+        v = args[2]
+        return isinstance(v, torch.Tensor) and v.dim() > 0 and is_host(v) and not is_host(args[0])
+    if func is torch.Tensor.cuda:
+        return is_host(args[0]) and not asked
+    if func is torch.Tensor.to:
+        to_cuda = _is_cuda(kwargs.get("device")) or any(
+            (not is_host(a)) if isinstance(a, torch.Tensor) else (_is_device(a) and _is_cuda(a))
+            for a in args[1:]
+        )
+        return to_cuda and is_host(args[0]) and not asked
+    if func in (torch.tensor, torch.as_tensor) and _is_cuda(kwargs.get("device")):
+        data = args[0] if args else kwargs.get("data")  # Python data, or a host tensor
+        return not isinstance(data, torch.Tensor) or is_host(data)
+    if func is torch.Tensor.new_tensor:  # Python data onto the tensor's device, unless one named
+        data, device = args[1], kwargs.get("device")
+        onto_cuda = _is_cuda(device) if device is not None else not is_host(args[0])
+        return onto_cuda and (not isinstance(data, torch.Tensor) or is_host(data))
+    return False
+
+
 def _tag(out, args, kwargs, want):
     inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     in_keys = {_key(t) for t in inputs}
@@ -164,11 +221,16 @@ def _tag(out, args, kwargs, want):
         if is_host(out) != (want == "host"):
             out = out.clone()  # .cuda() of a host tensor (or .cpu() of a CUDA one) copies on a GPU
         else:
+            if want == "cuda":
+                _mark_placed(out)
             return out
     host = want == "host" if want is not None else all(is_host(t) for t in inputs)
     for o in tree_flatten(out)[0]:
-        if isinstance(o, torch.Tensor) and host and _key(o) not in in_keys:
-            _mark_host(o)  # a new storage; views and in-place results keep their input's tag
+        if isinstance(o, torch.Tensor) and _key(o) not in in_keys:
+            if host:
+                _mark_host(o)  # a new storage; views and in-place results keep their input's tag
+            elif want == "cuda":
+                _mark_placed(o)
     return out
 
 
@@ -182,15 +244,17 @@ def _call_site() -> str:
     return f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}" if f else "?"
 
 
-def _takes_host(group) -> bool:
-    """Whether the GPU path's backend of this group takes CPU tensors."""
-    if group is not None and group in _gloo_groups:
-        return True
-    return "gloo" in rdist.GPU_BACKEND  # the default group and groups made with backend=None
+def blocking_copies() -> list[str]:
+    """Call sites of the blocking host-to-device copies since the audit began (or `reset`)."""
+    return list(_copies)
+
+
+def reset_copies() -> None:
+    _copies.clear()
 
 
 def _check(name: str, group, tensors) -> None:
-    if _takes_host(group):
+    if collectives.takes_host(group):
         return
     for t in tensors:
         origin = host_origin(t) if isinstance(t, torch.Tensor) else None
@@ -228,8 +292,8 @@ def _recording(fn):
     def wrapper(*args, **kwargs):
         group = fn(*args, **kwargs)
         backend = sig.bind(*args, **kwargs).arguments.get("backend")
-        if backend is not None and "gloo" in str(backend).lower() and group is not None:
-            _gloo_groups.add(group)
+        if backend is not None and "gloo" in str(backend).lower():
+            collectives.record_gloo_group(group)
         return group
 
     return wrapper
@@ -249,12 +313,13 @@ def shadow_devices():
         for name in (*_TENSOR_COLLECTIVES, "batch_isend_irecv", "new_group")
     }
     current_device = torch.cuda.current_device
-    previous_comm = rdist.set_comm_device(SHADOW_CUDA)
+    previous_comm = rdist.set_comm_device(SHADOW_CUDA, shadow=True)
     for name in _TENSOR_COLLECTIVES:
         setattr(dist, name, _checked(name, saved[name]))
     dist.batch_isend_irecv = _checked_batch(saved["batch_isend_irecv"])
     dist.new_group = _recording(saved["new_group"])
     torch.cuda.current_device = lambda: SHADOW_CUDA
+    collectives._shadow_host, collectives._shadow_placed = host_origin, placed_on_device
     # this mode rewrites CUDA devices as the CPU runtime's does, and must see every call: the
     # runtime's own mode (which would hide the devices from it) and its suspension stay off
     device_mode, mode_suspended = cpu.device_mode, cpu.mode_suspended
@@ -270,5 +335,7 @@ def shadow_devices():
             setattr(dist, name, fn)
         torch.cuda.current_device = current_device
         rdist.set_comm_device(previous_comm)
+        collectives._shadow_host = collectives._shadow_placed = None
         _host.clear()
-        _gloo_groups.clear()
+        _placed.clear()
+        _copies.clear()

@@ -161,12 +161,22 @@ def comm_device() -> torch.device:
     return _comm_device
 
 
-def set_comm_device(device: torch.device) -> torch.device:
+def set_comm_device(device: torch.device, shadow: bool = False) -> torch.device:
     """Replace comm_device()'s answer; returns the previous one. For the device audit, which plays
-    the GPU path's init on the CPU (runtime/device_audit.py)."""
-    global _comm_device
+    the GPU path's init on the CPU (runtime/device_audit.py): `shadow`, its stand-in for a CUDA
+    device, which `is_cuda` then answers as one."""
+    global _comm_device, _shadow_cuda
     previous, _comm_device = _comm_device, device
+    _shadow_cuda = device if shadow else None
     return previous
+
+
+_shadow_cuda = None
+
+
+def is_cuda(device) -> bool:
+    """A CUDA device, or the device audit's stand-in for one (a CPU device object it knows)."""
+    return device is not None and (device is _shadow_cuda or torch.device(device).type == "cuda")
 
 
 def init_model_parallel(cfg: DictConfig, world: int, *, gloo_groups: bool = True) -> None:
@@ -205,14 +215,6 @@ def decide_run_dir(cfg: DictConfig, kind: str = "train") -> str:
     job = os.environ.get("SLURM_JOB_ID") or time.strftime("%Y%m%d-%H%M%S")
     sub = () if kind == "train" else (kind,)
     return str(Path("outputs", cfg.run.exp, *sub, job))
-
-
-def broadcast_object(obj, src: int = 0):
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def teardown() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ftcore.runtime import collectives
 from ftcore.runtime import dist as rdist
 
 log = logging.getLogger("ftcore")
@@ -65,7 +66,7 @@ def stop_reason(cfg, run_dir: Path, start_time: float) -> str | None:
     ]
     t = torch.tensor(flags, device=rdist.comm_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(t, op=dist.ReduceOp.MAX)
     signal_reason = "signal " + ",".join(_received) if _received else "a signal to another rank"
     for flag, reason in zip(
         t.tolist(), (signal_reason, f"stop file {stop_file(cfg, run_dir)}", "run.max_time")

@@ -13,15 +13,30 @@ Which communicators, read from TE 2.9's transformer_engine/pytorch/module/base.p
 - the all-gather into a userbuffer (`fill_userbuffers_buffer_for_all_gather`) takes unquantized
   inputs and FP8 delayed/current-scaling and MXFP8 quantizers only (MXFP8 with a multiple of 128
   tokens per rank); NVFP4 and FP8-blockwise quantizers raise "Unsupported quantizer".
+
+How `initialize_ub` bootstraps (the same file): without `bootstrap_backend` it picks MPI whenever
+torch was built with MPI (NGC's is), then gloo, then NCCL, and creates a process group of that
+backend over the world; processes started by torchrun or ftcore.launch.node are no MPI job, so that
+group cannot form. Megatron-LM always passes its `tp_comm_bootstrap_backend` (default "nccl",
+megatron/core/model_parallel_config.py; megatron/training/initialize.py `_initialize_tp_communicators`):
+ftcore passes "nccl" too. And it asserts CUDA multicast support unless `UB_SKIPMC=1` (then CUDA IPC
+is used, as its C++ userbuffers code also decides by itself): ftcore sets UB_SKIPMC=1 where the
+device has no multicast, unless the user set it.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+
 from omegaconf import DictConfig
+
+log = logging.getLogger("ftcore")
 
 # Recipes whose input quantizer TE 2.9's userbuffer all-gather accepts (see above).
 ALL_GATHER_RECIPES = ("delayed", "tensorwise", "mxfp8")
 MXFP8_TOKENS = 128  # MXFP8 scale-inverses are gathered per 128 rows
+BOOTSTRAP_BACKEND = "nccl"  # Megatron-LM's tp_comm_bootstrap_backend default
 
 _initialized = False
 
@@ -63,7 +78,10 @@ def initialize(cfg: DictConfig) -> bool:
     p = cfg.parallel
     if not p.tp_comm_overlap or p.tp < 2 or cfg.cluster.device == "cpu" or _initialized:
         return _initialized
+    import inspect
+
     import torch
+    import transformer_engine_torch as tex
     from transformer_engine.pytorch.module import base
 
     kw = dict(
@@ -76,6 +94,11 @@ def initialize(cfg: DictConfig) -> bool:
         kw["quantization_modes"] = [getattr(base.UserBufferQuantizationMode, m) for m in modes]
     else:
         kw["use_fp8"] = "FP8" in modes
+    if "bootstrap_backend" in inspect.signature(base.initialize_ub).parameters:
+        kw["bootstrap_backend"] = BOOTSTRAP_BACKEND  # never TE's own pick, MPI (module doc)
+    if not tex.device_supports_multicast() and "UB_SKIPMC" not in os.environ:
+        os.environ["UB_SKIPMC"] = "1"  # CUDA IPC instead of multicast (module doc)
+        log.info("userbuffers: this GPU has no CUDA multicast; UB_SKIPMC=1 (CUDA IPC)")
     base.initialize_ub(**kw)
     _initialized = True
     return True

@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ftcore.data.transfer import to_device
+from ftcore.data.transfer import pin_host_batches, to_device
 from ftcore.models import target_logits
-from ftcore.runtime import cpu
+from ftcore.precision import delayed
+from ftcore.runtime import collectives, cpu
+from ftcore.runtime import dist as rdist
 from ftcore.training import preference
 from ftcore.training.step import forward_step, is_loss_rank, reduce_sums, schedule, token_losses
 
@@ -42,10 +43,13 @@ class Reference:
     tables: dict | None = None
     val_batches: set = field(default_factory=set)
 
-    def stored(self, mb) -> torch.Tensor:
-        """The stored [num_pairs, 2] reference log-probs of a micro-batch's pairs."""
+    def stored(self, mb, device) -> torch.Tensor:
+        """The stored [num_pairs, 2] reference log-probs of a micro-batch's pairs, on `device`:
+        picked from the host table before the schedule and copied without the host waiting
+        (pinned, non-blocking), not inside the loss in the pipeline."""
         table = self.tables["val" if id(mb) in self.val_batches else "train"]
-        return table[list(mb.pair_ids or ())]
+        rows = table[list(mb.pair_ids or ())]
+        return to_device(rows.pin_memory() if pin_host_batches(device) else rows, device)
 
     def context(self):
         from ftcore.peft import reference as peft_ref
@@ -90,7 +94,7 @@ class _CpSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         x = x.clone()
-        dist.all_reduce(x, group=ps.get_context_parallel_group())
+        collectives.all_reduce(x, group=ps.get_context_parallel_group())
         return x
 
     @staticmethod
@@ -110,7 +114,7 @@ def pair_sums(whole, mb, vocab_size: int, rows, output: torch.Tensor):
     sums, counts = preference.sequence_sums(logps, index, side, whole.num_pairs)
     if ps.get_context_parallel_world_size() > 1:
         sums = _CpSum.apply(sums)
-        dist.all_reduce(counts, group=ps.get_context_parallel_group())
+        collectives.all_reduce(counts, group=ps.get_context_parallel_group())
     return sums, counts
 
 
@@ -125,6 +129,20 @@ def _reference_loss(store: dict, whole, mb, vocab_size: int, rows):
     return loss
 
 
+def reference_step(cfg, store: dict):
+    """The schedule's step for a reference forward (under no_grad): forward_step storing each
+    micro-batch's pair sums in `store`, then the FP8 delayed-scaling update TE's autocast exit
+    skips without grad (precision/delayed.py; a no-op for other recipes)."""
+    step = partial(forward_step, make_loss=partial(_reference_loss, store))
+
+    def run(*args, **kwargs):
+        out = step(*args, **kwargs)
+        delayed.update_after_no_grad_forward(cfg)
+        return out
+
+    return run
+
+
 def _policy_loss(obj, store: dict, whole, mb, vocab_size: int, rows):
     def loss(output):
         with cpu.mode_suspended():
@@ -134,7 +152,8 @@ def _policy_loss(obj, store: dict, whole, mb, vocab_size: int, rows):
             first = ps.get_context_parallel_rank() == 0  # the CP ranks hold the same sums
             pairs = len(losses) if first else 0
             stats = torch.cat([
-                torch.stack([losses.detach().sum(), losses.new_tensor(float(pairs)),
+                # new_full fills on the device; new_tensor would copy from the host and wait
+                torch.stack([losses.detach().sum(), losses.new_full((), float(pairs)),
                              counts.sum()]),
                 preference.metric_sums(obj, sums, ref),
             ]) * float(first)  # fmt: skip
@@ -157,10 +176,11 @@ def run_pairs(state, microbatches: list, *, forward_only: bool, timers=None) -> 
     obj = preference.Objective.of(state.cfg)
     store: dict = {}
     if ref.tables is not None:  # objective.precompute_ref: no reference forward
-        store = {id(mb): ref.stored(mb) for mb in microbatches}
+        dev = rdist.comm_device()  # the model's device (cuda:<local rank>, or the CPU)
+        store = {id(mb): ref.stored(mb, dev) for mb in microbatches}
     else:
         with torch.no_grad(), ref.context():
-            step = partial(forward_step, make_loss=partial(_reference_loss, store))
+            step = reference_step(state.cfg, store)
             schedule(state, microbatches, forward_only=True, step=step, model=ref.chunks)
     step = partial(forward_step, make_loss=partial(_policy_loss, obj, store))
     out = schedule(state, microbatches, forward_only=forward_only, timers=timers, step=step)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import resource
 import secrets
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ftcore.errors import EXIT_REQUEUE, EXIT_USER_ERROR, FtcoreError, StopRequested
+from ftcore.runtime import safe_files
 
 log = logging.getLogger("ftcore")
 
@@ -31,15 +31,13 @@ def truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = []
-    for line in path.read_text().splitlines():
+    for line in safe_files.read_text(path, "run.dir", root=path.parent, limit=1 << 40).splitlines():
         try:
             if json.loads(line).get("step", 0) <= step:
                 kept.append(line)
         except json.JSONDecodeError:
             break  # a torn last line from a crash
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(ln + "\n" for ln in kept))
-    os.replace(tmp, path)
+    safe_files.write_atomic(path, "".join(ln + "\n" for ln in kept))
 
 
 class MetricsWriter:
@@ -58,7 +56,7 @@ class MetricsWriter:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         truncate_metrics(self.path, start_step)
-        self.file = open(self.path, "a")  # noqa: SIM115 - kept open for the run
+        self.file = safe_files.open_append(self.path)  # kept open for the run; never a link
         mode = cfg.logger.progress
         if mode == "bar" or (mode == "auto" and sys.stderr.isatty()):
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -83,10 +81,10 @@ class MetricsWriter:
 
         id_file = run_dir / "wandb_id"
         if resumed and id_file.exists():
-            run_id = id_file.read_text().strip()
+            run_id = safe_files.read_text(id_file, "run.dir", root=run_dir, limit=256).strip()
         else:  # our own id (wandb's helper for it moved between versions); 16 hex digits is valid
             run_id = secrets.token_hex(8)
-        id_file.write_text(run_id)
+        safe_files.write_atomic(id_file, run_id)
         self.wandb = wandb.init(
             project=cfg.logger.wandb.project,
             mode=cfg.logger.wandb.mode,

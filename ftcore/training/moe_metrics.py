@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ftcore.models import moe_routing
 from ftcore.models.sharding import unwrap
+from ftcore.runtime import collectives
 from ftcore.runtime import dist as rdist
 
 
@@ -21,7 +22,7 @@ def is_moe(model: list) -> bool:
 
 def _world_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
+        collectives.all_reduce(t)
     return t
 
 
@@ -29,13 +30,14 @@ def _world_sum(t: torch.Tensor) -> torch.Tensor:
 def scaled_step(state, microbatches: list, contribute: bool):
     """Around one training step's forward and backward: the global batch's target tokens / valid
     tokens for the routers (models/moe_routing.py), summed over the world from the ranks that
-    load distinct micro-batches (`contribute`, step.is_data_rank). The counts stay on the device
-    (no host read before the forward); `state.extra["moe_tokens"]` keeps them for `collect`."""
-    dev = rdist.comm_device()
-    t = torch.zeros(2, device=dev)
+    load distinct micro-batches (`contribute`, step.is_data_rank). The counts are summed on the
+    host from the host micro-batches and written into a device tensor as numbers (no
+    host-to-device copy for the host to wait on, no device read before the forward);
+    `state.extra["moe_tokens"]` keeps them for `collect`."""
+    t = torch.zeros(2, device=rdist.comm_device())
     if contribute:
         t[0] = float(sum(mb.num_tokens for mb in microbatches))
-        t[1] = sum(mb.loss_mask.sum().to(dev, torch.float32) for mb in microbatches)
+        t[1] = float(sum(mb.num_target_tokens for mb in microbatches))
     t = _world_sum(t)
     state.extra["moe_tokens"] = t
     with moe_routing.step_scale(t[1] / t[0].clamp_min(1.0)):

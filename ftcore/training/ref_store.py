@@ -17,9 +17,8 @@ pairs' token ids, the model and reference settings) is this run's; otherwise the
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
-import os
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,10 @@ from megatron.core import parallel_state as ps
 from omegaconf import OmegaConf
 
 from ftcore.data.pipeline import assemble
-from ftcore.training.step import forward_step, is_loss_rank, schedule
+from ftcore.errors import FtcoreError
+from ftcore.runtime import collectives, safe_files
+from ftcore.runtime import dist as rdist
+from ftcore.training.step import is_loss_rank, schedule
 
 log = logging.getLogger("ftcore")
 FILE = "reference_logps.pt"
@@ -56,13 +58,13 @@ def fingerprint(cfg, docs, ids: np.ndarray) -> str:
 def _pass(state, ref, batches, table: torch.Tensor) -> None:
     """The reference's forward over `batches` (global batches: this rank's micro-batches); the
     loss ranks of CP rank 0 write each pair's sums into `table` at its sample id."""
-    from ftcore.training.dpo import _reference_loss
+    from ftcore.training.dpo import reference_step
 
     owner = is_loss_rank() and ps.get_context_parallel_rank() == 0
     for microbatches in batches:
         store: dict = {}
         with torch.no_grad(), ref.context():
-            step = partial(forward_step, make_loss=partial(_reference_loss, store))
+            step = reference_step(state.cfg, store)
             schedule(state, microbatches, forward_only=True, step=step, model=ref.chunks)
         if owner:
             for mb in microbatches:
@@ -91,16 +93,24 @@ def _compute(state, ref, ids: np.ndarray, val_size: int) -> dict[str, torch.Tens
         _pass(state, ref, _train_batches(state, ids), train)
         _pass(state, ref, state.val_batches, val)
     for t in (train, val):  # each pair has exactly one owner, the others add 0.0: exact
-        dist.all_reduce(t)
+        t.copy_(_world_sum(t))
     return {"train": train.float(), "val": val.float()}
+
+
+def _world_sum(t: torch.Tensor) -> torch.Tensor:
+    """A host table summed over the world, back on the host: the tables are filled and read on
+    the host, but the default group is NCCL on a GPU cluster, which takes device tensors only."""
+    d = t.to(rdist.comm_device())
+    collectives.all_reduce(d)
+    return d.cpu()
 
 
 def _load(path: Path, key: str) -> dict | None:
     if not path.is_file():
         return None
     try:
-        got = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - a damaged file is recomputed, not trusted
+        got = safe_files.torch_load(path, "objective.precompute_ref", root=path.parent)
+    except FtcoreError as e:  # a damaged file is recomputed, not trusted
         log.warning("precompute_ref: %s is unreadable (%s): computing it again", path, e)
         return None
     if not isinstance(got, dict) or got.get("version") != VERSION or got.get("key") != key:
@@ -111,8 +121,8 @@ def _load(path: Path, key: str) -> dict | None:
 
 def _agreed(ok: bool) -> bool:
     """True only when every rank found the file usable."""
-    flag = torch.tensor([1 if ok else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    flag = torch.tensor([1 if ok else 0], device=rdist.comm_device())
+    collectives.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 
@@ -152,14 +162,14 @@ def save(state) -> None:
     if dist.get_rank() == 0:
         path = Path(state.run_dir, FILE)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{FILE}.tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
-    dist.barrier()
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        safe_files.write_atomic(path, buf.getvalue())  # .reference_logps.pt.tmp: never a link
+    collectives.barrier()
 
 
 def _max_over_ranks(val_ids: list[int]) -> int:
     """The held-out table's size: one more than the largest held-out sample id of any rank."""
-    n = torch.tensor([max(val_ids) + 1 if val_ids else 0])
-    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    n = torch.tensor([max(val_ids) + 1 if val_ids else 0], device=rdist.comm_device())
+    collectives.all_reduce(n, op=dist.ReduceOp.MAX)
     return int(n.item())

@@ -24,7 +24,7 @@ from ftcore.data.transfer import pin_host_batches, to_device
 from ftcore.models import moe_routing, rope, target_logits, thd
 from ftcore.models.local import attention, cp_attention
 from ftcore.models.sharding import unwrap
-from ftcore.runtime import cpu
+from ftcore.runtime import collectives, cpu
 from ftcore.runtime import dist as rdist
 
 
@@ -161,7 +161,7 @@ def reduce_sums(values: list[float], contribute: bool) -> list[float]:
         device=rdist.comm_device(),
     )
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
+        collectives.all_reduce(t)
     return t.tolist()
 
 

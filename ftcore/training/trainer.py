@@ -17,7 +17,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from omegaconf import DictConfig, OmegaConf
 
 from ftcore.errors import FtcoreError, StopRequested
-from ftcore.runtime import cpu, signals
+from ftcore.runtime import collectives, cpu, safe_files, signals
 from ftcore.runtime import dist as rdist
 from ftcore.training import metrics as metrics_mod
 from ftcore.training import moe_metrics, optim, overlap
@@ -81,7 +81,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     # 3. Process group (gloo on CPU), then the CPU runtime before any megatron module is built.
     info = rdist.init_distributed(cfg)
     if info.device.type == "cpu":
-        cpu.activate()
+        cpu.activate(hide_cuda=True)  # cluster.device=cpu on a GPU machine too
     # 4. megatron's parallel state (dp is what tp·pp·cp leave) and seeds (CPU + megatron's RNG tracker).
     rdist.init_model_parallel(cfg, info.world)
     if info.device.type == "cuda" and cfg.parallel.tp_comm_overlap:
@@ -92,8 +92,9 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     with cpu.device_mode():
         model_parallel_cuda_manual_seed(cfg.run.seed)
     # 5. One run directory for all ranks (created at step 12, once setup has succeeded).
-    cfg.run.dir = rdist.broadcast_object(rdist.decide_run_dir(cfg, kind))
+    cfg.run.dir = collectives.broadcast_object(rdist.decide_run_dir(cfg, kind))
     run_dir = Path(cfg.run.dir)
+    safe_files.check_run_dir(run_dir)  # no link among its entries: ftcore writes and deletes there
     state = TrainState(cfg=cfg, info=info, run_dir=run_dir, dp=dp)
     # 6. Tokenizer (its vocab size is the model's unpadded vocab).
     state.tokenizer = load_tokenizer(cfg)
@@ -160,8 +161,8 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     # 12. The run directory and its config.yaml, only now: a run that fails above writes nothing.
     #     generate writes nothing at all (its output is the text); eval its eval.json later.
     if info.rank == 0 and kind == "train":
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        run_dir.mkdir(parents=True, exist_ok=True)  # resolved: what ftcore writes holds no ${...}
+        safe_files.write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         log.info("run directory: %s", run_dir)
     return state
 

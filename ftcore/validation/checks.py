@@ -158,8 +158,9 @@ def check_sequence(cfg: DictConfig) -> None:
     comm = cp.comm_type(p)
     check_hierarchical_sizes(p)
     problem = cp.layout_problem(
-        m, p.tp, p.cp, comm, cp.hierarchical_sizes(p), thd=cp.thd_under_te(cfg)
-    )
+        m, p.tp, p.cp, comm, cp.hierarchical_sizes(p), thd=cp.thd_under_te(cfg),
+        local=cp.local_on_gpu(cfg),
+    )  # fmt: skip
     if problem:
         field, what, fix = problem
         raise FtcoreError(what, field=field, fix=fix)

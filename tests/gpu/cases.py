@@ -44,6 +44,16 @@ def _c(name, *extra, **kw) -> Case:
     return Case(name, tuple(extra), **kw)
 
 
+# issue 50: DPO from the stored reference (a LoRA adapter on the tiny model, the bundled pairs)
+DPO = ("objective=dpo", "data.format=preference", "peft=lora", "objective.precompute_ref=true",
+       "train.max_steps=6")  # fmt: skip
+# a tiny Qwen3-MoE on the tiny model's shapes: 4 experts, top-2
+MOE = ("model.family=qwen3_moe", "model.num_experts=4", "model.moe_ffn_hidden_size=176",
+       "model.moe_router_topk=2", "model.moe_aux_loss_coeff=0.01", "train.max_steps=8")  # fmt: skip
+EXPERT_LORA = ("peft=lora", "peft.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
+               "down_proj]", "parallel.ep=2")  # fmt: skip
+
+
 CASES: dict[str, Case] = {
     c.name: c
     for c in [
@@ -186,5 +196,46 @@ CASES: dict[str, Case] = {
         _c("tp2_sp_te", "precision=bf16", "parallel.tp=2", "parallel.sp=true", gpus=2, te=True),
         _c("pp2", "precision=fp32", "precision.te_layers=false", "parallel.pp=2", gpus=2),
         _c("dp2", "precision=fp32", "precision.te_layers=false", gpus=2),
+        # issue 50 (tests/gpu/test_gpu_door.py). Any GPU, TE or not (what `make gpu-check` runs on
+        # every lent GPU): DPO's stored-reference pass, whose collectives took host tensors (item
+        # 1), and a MoE step, whose router needed TE (item 2)
+        _c("dpo_precompute", *DPO, "precision=bf16"),
+        _c("dpo_precompute_dp2", *DPO, "precision=bf16", gpus=2),
+        _c("moe", *MOE, "precision=bf16"),
+        # expert LoRA on TE's spec (item 13): per-expert TE linears, against local layers
+        _c("moe_lora_te_ep2", *MOE, *EXPERT_LORA, "precision=bf16", gpus=2, te=True),
+        _c(
+            "moe_lora_local_ep2",
+            *MOE,
+            *EXPERT_LORA,
+            "precision=bf16",
+            "precision.te_layers=false",
+            gpus=2,
+        ),  # fmt: skip
+        # FP8 experts with the router padding (item 12), against BF16 ones, both grouped in TE
+        _c("moe_fp8_te", *MOE, "precision=fp8_cs", te=True),
+        _c("moe_bf16_te", *MOE, "precision=bf16", te=True),
+        # FP8 weights under delayed scaling loaded from HF (item 4; model.hf_path added by the test)
+        _c(
+            "hf_fp8_delayed_param_gather",
+            "precision=fp8_delayed",
+            "precision.fp8_param_gather=true",
+            "parallel.distributed_optimizer=true",
+            te=True,
+        ),  # fmt: skip
+        # the stored reference's pass under delayed scaling (item 5)
+        _c("dpo_precompute_fp8_delayed", *DPO, "precision=fp8_delayed", te=True),
+        # userbuffers bootstrapped over NCCL under torchrun (item 6), BF16
+        _c(
+            "tp2_ub_bf16",
+            "precision=bf16",
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "parallel.tp_comm_overlap=true",
+            "data.packing=true",
+            "train.micro_batch_size=1",
+            gpus=2,
+            te=True,
+        ),  # fmt: skip
     ]
 }

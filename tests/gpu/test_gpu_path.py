@@ -47,13 +47,14 @@ def test_generation_and_accuracy_decode_on_an_fp8_userbuffer_experiment(tmp_path
         assert "accuracy" in got["eval"], got
 
 
-def train_cli(tmp_path, overrides, drop=()) -> subprocess.CompletedProcess:
+def train_cli(tmp_path, overrides, drop=(), env=None) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node=1 -m ftcore.train ...`: a plain torchrun, no ftcore launcher;
-    `drop`: variables left out of its environment."""
+    `drop`: variables left out of its environment; `env`: set in it (last)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "-m",
            "ftcore.train", *overrides, f"run.dir={tmp_path / 'run'}"]  # fmt: skip
+    extra = env or {}
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(PYTHONPATH=str(ROOT), FTCORE_LOG_LEVEL="INFO")
+    env.update(PYTHONPATH=str(ROOT), FTCORE_LOG_LEVEL="INFO", **extra)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 

@@ -40,6 +40,7 @@ INTENDED = {
     "ftcore/training/optim.py:*": "gradient norm, clipping, update decision, once per step",
     # megatron's finalize_model_grads tests `num_tokens > 0` before the per-token scaling
     "ftcore/training/trainer.py:_finalize_grads": "megatron's token-count read, once per step",
+    "ftcore/training/dpo.py:run_pairs": "DPO's loss and metric sums, one read per step",
 }
 WARMUP, STEPS = 3, 2
 # an intended read happens a few times a step; one per parameter or per layer is not intended
@@ -65,6 +66,10 @@ CASES = {
     "lora_unpacked": ["+exp=tiny_lora", "data.packing=false"],
     # what `make gpu-check`'s throughput run trains without TE: LoRA, packed rows, local layers
     "lora_packed_local": ["+exp=tiny_lora", "data.packing=true", "precision.te_layers=false"],
+    # DPO from the stored reference (issue 50, item 8: its rows were copied to the GPU inside the
+    # loss, blocking, per micro-batch). No MoE case: megatron's dispatcher and experts read the
+    # tokens per expert on the host in every MoE layer, by design.
+    "dpo_precompute": ["+exp=tiny_dpo", "objective.precompute_ref=true", "data.packing=false"],
 }
 
 

@@ -74,6 +74,43 @@ def packed_vs_unpacked(cfg) -> dict:
     return out
 
 
+def adapters_off_losses(cfg) -> dict:
+    """Issue 50 item 11 on the GPU: the forward-only loss of fixed documents with every adapter's
+    B drawn non-zero: adapted, inside peft.reference.adapters_off, and with every B zeroed."""
+    import numpy as np
+
+    from ftcore.data.packing import make_microbatch
+    from ftcore.data.templates import Doc
+    from ftcore.models.sharding import iter_params
+    from ftcore.peft.reference import adapters_off
+    from ftcore.training import trainer
+
+    state = trainer.setup(cfg, data=False)
+    chunks = [c.module for c in state.model]
+    r = np.random.default_rng(0)
+    vocab, seq = cfg.model.vocab_size, cfg.data.seq_len
+    docs = [Doc(r.integers(0, vocab - 1, n).astype(np.int32), r.random(n) < 0.7) for n in LENGTHS]
+    mbs = [make_microbatch([[d]], seq, vocab - 1) for d in docs]
+    g = torch.Generator().manual_seed(0)
+
+    def set_b(scale: float) -> None:
+        with torch.no_grad():
+            for name, p in iter_params(chunks):
+                if ".lora_B." in name:
+                    p.copy_((torch.randn(p.shape, generator=g) * scale).to(p))
+
+    def loss() -> float:
+        loss_sum, n = trainer.run_batches(state, mbs, forward_only=True)
+        return loss_sum / n
+
+    set_b(0.5)
+    adapted = loss()
+    with adapters_off(chunks):
+        off = loss()
+    set_b(0.0)
+    return {"adapted": adapted, "off": off, "base": loss()}
+
+
 def main(mode: str, out: str, overrides: list[str]) -> None:
     from ftcore.config.schema import compose
     from ftcore.runtime import dist
@@ -112,6 +149,17 @@ def main(mode: str, out: str, overrides: list[str]) -> None:
                 logits = state.model[0](tokens.to(device), pos.to(device), mask.to(device))
             if state.info.rank == 0:
                 torch.save(logits.float().cpu(), out)
+        elif mode == "setup":  # what setup leaves in TE's FP8 state (the stored reference's pass)
+            state = trainer.setup(cfg)
+            if state.info.rank == 0:
+                from ftcore.precision import recipes
+
+                fp8 = fp8_state(state.model) if recipes.use_te(state.cfg) else None
+                Path(out).write_text(json.dumps({"fp8": fp8}))
+        elif mode == "adapters_off":
+            got = adapters_off_losses(cfg)
+            if int(os.environ.get("RANK", "0")) == 0:
+                Path(out).write_text(json.dumps(got))
         elif mode == "packing":
             Path(out).write_text(json.dumps(packed_vs_unpacked(cfg)))
         elif mode in ("generate", "eval"):  # the entry point's own task, as torchrun runs it

@@ -7,9 +7,13 @@ a TP=2/PP=2 LoRA job with SP (setup's parameter count, train steps, an evaluatio
 generation across 4 ranks, the adapter gather, the HF export's weight gathers); a DP=2 job with the
 distributed optimizer stopped by a stop file (the stop check, the loss/token sums, the checkpoint
 save); a DP=2 full fine-tuning job with the distributed optimizer (a step, an evaluation, the
-end-of-run HF export)."""
+end-of-run HF export); issue 50: LoRA DPO with precompute_ref and an ep=2 MoE step (and the
+blocking host-to-device copies of their steps), and the collectives door's own refusals."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,3 +163,140 @@ def cp2_packed_audited(run_dir: str) -> dict:
 def test_cp2_packed_collectives_get_gpu_tensors(pool2, tmp_path):
     res = pool2.run(cp2_packed_audited, str(tmp_path))
     assert res[0] == res[1] and all(torch.isfinite(torch.tensor(list(res[0].values())))), res
+
+
+MOE = ["model.family=qwen3_moe", "model.num_experts=4", "model.moe_ffn_hidden_size=64",
+       "model.moe_router_topk=2", "model.moe_aux_loss_coeff=0.01", "parallel.ep=2"]  # fmt: skip
+
+
+def dpo_precompute_and_moe_audited(run_dir: str) -> dict:
+    """Issue 50, items 1 and 8: LoRA DPO with objective.precompute_ref (the stored file's
+    agreement, the held-out table's size and the pass's table sums are collectives) and an ep=2
+    MoE step (the router's token counts and metrics), under the audit; the blocking
+    host-to-device copies made inside each training step, by call site. Item 5: the reference
+    forwards of the pass, and how many FP8 delayed-scaling updates followed them."""
+    from collections import Counter
+
+    from ftcore.config.schema import compose
+    from ftcore.precision import delayed
+    from ftcore.runtime import device_audit
+    from ftcore.training import dpo, trainer
+    from tests.multiproc.test_dpo_parity import BASE, LORA, PRE
+    from tests.support.layouts import build
+
+    out = {"reference forwards": 0, "updates": 0}
+    loss, update = dpo._reference_loss, delayed.update_after_no_grad_forward
+
+    def counted(*args, **kwargs):
+        out["reference forwards"] += 1
+        return loss(*args, **kwargs)
+
+    def counted_update(cfg):
+        out["updates"] += 1
+
+    with device_audit.shadow_devices():
+        over = [*BASE, *LORA, *PRE, "train.global_batch_size=8", f"run.dir={run_dir}/dpo"]
+        dpo._reference_loss, delayed.update_after_no_grad_forward = counted, counted_update
+        try:
+            state = trainer.setup(compose(over))
+        finally:
+            dpo._reference_loss, delayed.update_after_no_grad_forward = loss, update
+        device_audit.reset_copies()
+        out["dpo"] = trainer.train_step(state)["loss"]
+        out["dpo_copies"] = Counter(device_audit.blocking_copies())
+        out["dpo_microbatches"] = len(state.loader.next_microbatches())
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    with device_audit.shadow_devices():
+        state = build([*MOE, "train.micro_batch_size=1"], f"{run_dir}/moe")
+        device_audit.reset_copies()
+        out["moe"] = trainer.train_step(state)["loss"]
+        out["moe_copies"] = Counter(device_audit.blocking_copies())
+        out["moe_microbatches"] = len(state.loader.next_microbatches())
+    return out
+
+
+@pytest.mark.dist
+def test_dpo_precompute_and_moe_collectives_get_gpu_tensors(pool2, tmp_path):
+    """Item 1: the precompute pass handed NCCL host tensors (the door refuses them). Item 5: each
+    of its no-grad reference forwards is followed by TE's delayed-scaling update (a no-op but
+    under fp8_delayed with TE), which TE skips without grad. Item 8: no
+    blocking host-to-device copy is made once per micro-batch (the MoE token count and DPO's
+    stored reference rows were): with 4 micro-batches a step, no call site of ftcore's copies 4
+    times (the step's own sums copy once or twice a step). megatron's router moves its weight
+    to the GPU at each forward here, where ftcore's build (chunk.cuda) has not moved it first:
+    not counted."""
+    import ftcore
+
+    own = str(Path(ftcore.__file__).parent) + os.sep
+    res = pool2.run(dpo_precompute_and_moe_audited, str(tmp_path))
+    for r in res:
+        assert torch.isfinite(torch.tensor([r["dpo"], r["moe"]])).all(), r
+        assert r["updates"] == r["reference forwards"] >= 12, r  # 24 pairs / 2 ranks
+        for kind in ("dpo", "moe"):
+            n = r[f"{kind}_microbatches"]
+            assert n == 4, r
+            per_microbatch = {site: k for site, k in r[f"{kind}_copies"].items()
+                              if k >= n and site.startswith(own)}  # fmt: skip
+            assert not per_microbatch, (kind, per_microbatch)
+
+
+def door_case() -> dict:
+    """Worker: what the collectives door (runtime/collectives.py) refuses, outside and inside the
+    device audit."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from ftcore.runtime import collectives, device_audit
+    from ftcore.runtime.dist import comm_device
+
+    def refused(fn) -> str | None:
+        try:
+            fn()
+        except collectives.HostTensorInCollective as e:
+            return str(e)
+        return None
+
+    world = dist.get_world_size()
+    out = {"cpu run": refused(lambda: collectives.all_reduce(torch.ones(2)))}
+    with device_audit.shadow_devices():
+        ps.initialize_model_parallel(create_gloo_process_groups=True)
+        tp, dp_gloo = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group_gloo()
+        on_gpu = lambda: torch.zeros(2, device=comm_device())  # noqa: E731
+        out.update({
+            "host, default group": refused(lambda: collectives.all_reduce(torch.tensor([1.0]))),
+            "host, tp group": refused(lambda: collectives.all_reduce(torch.zeros(2), group=tp)),
+            "host, dp gloo group": refused(lambda: collectives.all_reduce(torch.zeros(2), group=dp_gloo)),
+            "device, default group": refused(lambda: collectives.all_reduce(on_gpu())),
+            "host output of a gather": refused(lambda: collectives.all_gather([torch.zeros(2)] * world, on_gpu())),
+            "host, broadcast": refused(lambda: collectives.broadcast(torch.zeros(2).cpu(), src=0)),
+            "object with a device tensor": refused(lambda: collectives.all_gather_object([None] * world, {"w": [on_gpu()]})),
+            "object with a host tensor": refused(lambda: collectives.all_gather_object([None] * world, {"w": on_gpu().cpu()})),
+        })  # fmt: skip
+        ranks = list(range(world))
+        gloo, plain = collectives.new_group(ranks, backend="gloo"), collectives.new_group(ranks)
+        out["backends"] = {name: collectives.gpu_backend(g) for name, g in
+                           [("default", None), ("tp", tp), ("dp gloo", dp_gloo), ("new gloo", gloo),
+                            ("new", plain)]}  # fmt: skip
+    return out
+
+
+@pytest.mark.dist
+def test_the_door_refuses_a_host_tensor_where_nccl_would_be_used(pool2):
+    """Issue 50: the collectives door (runtime/collectives.py), on 2 ranks: where the GPU path uses
+    NCCL (the default group, megatron's TP group) a host tensor is refused, naming the call and
+    the fix; megatron's gloo groups take it; an object holding a device tensor is refused."""
+    out = pool2.run(door_case)[0]
+    assert out.pop("backends") == {"default": "nccl", "tp": "nccl", "dp gloo": "gloo",
+                                   "new gloo": "gloo", "new": "nccl"}  # fmt: skip
+    refused = {k for k, v in out.items() if v}
+    assert refused == {"host, default group", "host, tp group", "host output of a gather",
+                       "host, broadcast", "object with a device tensor"}, out  # fmt: skip
+    msg = out["host, default group"]
+    assert msg.startswith("all_reduce on a nccl group got a host tensor (1,)") and "Fix:" in msg
+    assert "comm_device()" in msg and "test_device_audit.py" in msg  # where it was made
+    assert (
+        "all_gather_object" in out["object with a device tensor"]
+        and ".cpu()" in out["object with a device tensor"]
+    )

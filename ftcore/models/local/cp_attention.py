@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ftcore.runtime import collectives
+
 
 class _GatherSequence(torch.autograd.Function):
     """[s_local, ...] -> [cp * s_local, ...] over `group` (rank order); backward sums the
@@ -25,13 +27,13 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx, t, group):
         ctx.group = group
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, t.contiguous(), group=group)
+        collectives.all_gather(parts, t.contiguous(), group=group)
         return torch.cat(parts)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        collectives.all_reduce(grad, group=ctx.group)
         n = grad.shape[0] // dist.get_world_size(ctx.group)
         rank = dist.get_rank(ctx.group)
         return grad[rank * n : (rank + 1) * n], None

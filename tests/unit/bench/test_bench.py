@@ -71,9 +71,16 @@ def test_plus_bench_selects_the_group_and_other_overrides_go_to_every_run():
 @pytest.mark.parametrize("name", BENCHES)
 def test_every_shipped_bench_composes(name):
     cfg = compose([f"bench={name}"])
-    assert cfg.bench.name == name and cfg.bench.kind in ("layouts", "cpu_vs_hf", "host_overhead")
+    kinds = ("layouts", "cpu_vs_hf", "host_overhead", "plan_search")
+    assert cfg.bench.name == name and cfg.bench.kind in kinds
     if cfg.bench.kind == "host_overhead":  # no run list: its runs are depths x sides
         return  # composed in tests/unit/bench/test_overhead.py
+    if cfg.bench.kind == "plan_search":  # each run an experiment, searched: any layout is free
+        exps = {p.stem for p in (conf_dir() / "exp").glob("*.yaml")}
+        named = {o.split("=", 1)[1] for r in expand_runs(cfg.bench) for o in r.overrides
+                 if o.startswith("+exp=")}  # fmt: skip
+        assert named == exps, named ^ exps  # every shipped experiment, and only those
+        return
     for run in expand_runs(cfg.bench):
         run_cfg = compose([*cfg.bench.base, *run.overrides])
         check_divisibility(run_cfg)

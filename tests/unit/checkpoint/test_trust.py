@@ -261,6 +261,9 @@ def test_what_counts_as_a_previous_export(tmp_path):
     (model / "model.safetensors").write_bytes(b"")
     (adapter / "adapter_config.json").write_text("{}")
     (other / "config.json").write_text("{}")  # a config alone is not an export
+    (other / "model.safetensors").write_bytes(b"")  # nor a model ftcore did not write (issue 51)
+    for d in (model, adapter):  # what ftcore writes into each export it makes
+        safe_files.mark_export(d, "test")
     for d in (model, adapter, empty):
         check_output(d, overwrite=True)
     link = tmp_path / "link"

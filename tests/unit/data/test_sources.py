@@ -79,6 +79,8 @@ BAD = {
         "instruction",
         b'{"instruction": "x", "output": "y", "z": ' + b"[" * 64 + b"]" * 64 + b"}",
     ),  # fmt: skip
+    # issue 51: Python's int parser refuses 5,000 digits (a ValueError, not a JSONDecodeError)
+    "huge_number": ("instruction", b'{"instruction": "x", "output": ' + b"9" * 5000 + b"}"),
 }
 
 

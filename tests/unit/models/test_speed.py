@@ -139,3 +139,67 @@ def test_userbuffer_shape_and_te_on_the_target():
     assert e.value.field == "parallel.tp_comm_overlap"
     speed.check_device(cfg, te_version="2.8.0")
     speed.check_device(compose(GPU + ["parallel.tp_comm_overlap=false"]), te_version=None)
+
+
+def te_userbuffers_stand_in(monkeypatch, *, multicast: bool) -> list:
+    """Stand-ins for Transformer Engine's userbuffer start, with TE 2.9's own rules
+    (transformer_engine/pytorch/module/base.py, `initialize_ub`): it asserts CUDA multicast unless
+    UB_SKIPMC=1, and without `bootstrap_backend` picks MPI whenever torch has MPI, then gloo, then
+    NCCL, for the process group it creates. Returns the bootstrap backends it was started with."""
+    import enum
+    import os
+    import sys
+    import types
+
+    import torch
+
+    started = []
+    tex = types.ModuleType("transformer_engine_torch")
+    tex.device_supports_multicast = lambda: multicast
+
+    def initialize_ub(shape, tp_size, use_fp8=False, quantization_modes=None,
+                      dtype=torch.bfloat16, ub_cfgs=None, bootstrap_backend=None):  # fmt: skip
+        if not tex.device_supports_multicast():  # TE 2.9's assert
+            assert bool(int(os.getenv("UB_SKIPMC", "0"))), "Launch app with UB_SKIPMC=1"
+        if bootstrap_backend is None:  # TE 2.9's choice
+            bootstrap_backend = "nccl"
+            if torch.distributed.is_mpi_available():
+                bootstrap_backend = "mpi"
+            elif torch.distributed.is_gloo_available():
+                bootstrap_backend = "gloo"
+        started.append(bootstrap_backend)
+
+    base = types.ModuleType("transformer_engine.pytorch.module.base")
+    base.initialize_ub = initialize_ub
+    base.UserBufferQuantizationMode = enum.Enum("UserBufferQuantizationMode", "FP8 NONE")
+    names = (
+        "transformer_engine",
+        "transformer_engine.pytorch",
+        "transformer_engine.pytorch.module",
+    )
+    parents = [types.ModuleType(n) for n in names]
+    parents[0].pytorch, parents[1].module, parents[2].base = parents[1], parents[2], base
+    for m in (*parents, base, tex):
+        monkeypatch.setitem(sys.modules, m.__name__, m)
+    return started
+
+
+@pytest.mark.parametrize("multicast", [True, False])
+def test_userbuffers_bootstrap_over_nccl_and_without_multicast(monkeypatch, multicast):
+    """Issue 50 item 6: ftcore called initialize_ub without bootstrap_backend, so TE picked MPI
+    under NGC's torch (built with MPI) and made an MPI group that ranks started by torchrun or
+    ftcore.launch.node cannot join; and TE asserted multicast unless UB_SKIPMC=1 was set. Megatron-
+    LM passes its tp_comm_bootstrap_backend (nccl)."""
+    import torch
+
+    from ftcore.runtime import userbuffers
+
+    started = te_userbuffers_stand_in(monkeypatch, multicast=multicast)
+    monkeypatch.setattr(torch.distributed, "is_mpi_available", lambda: True)  # NGC's torch
+    monkeypatch.delenv("UB_SKIPMC", raising=False)
+    monkeypatch.setattr(userbuffers, "_initialized", False)
+    assert userbuffers.initialize(compose([*GPU, "precision=bf16"]))
+    assert started == ["nccl"]
+    import os
+
+    assert os.environ.get("UB_SKIPMC") == (None if multicast else "1")

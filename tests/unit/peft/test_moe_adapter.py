@@ -149,16 +149,21 @@ def test_router_on_a_dense_model_is_refused():
         check_config(cfg)
 
 
-def test_experts_on_te_grouped_gemm_are_refused():
+def test_experts_on_te_take_adapters_with_etp_1():
+    """Issue 50 item 13: expert targets on a GPU with TE layers were refused (fix: te_layers=false,
+    which built the local spec for the whole model). Now TE's spec builds the experts one module
+    each (models/moe.py), which the adapters wrap; etp > 1 is refused there (megatron hands TE's
+    expert linears no expert TP group)."""
     cfg = _cfg()
     cfg.cluster = {"device": "cuda"}
-    with pytest.raises(FtcoreError, match="TEGroupedMLP") as e:
-        check_config(cfg)
-    assert "te_layers=false" in e.value.fix
-    cfg.peft.target_modules = ["q_proj", "gate"]  # attention and the router: no grouped GEMM
     check_config(cfg)
-    cfg.peft.target_modules = ["down_proj"]
-    cfg.precision.te_layers = False  # SequentialMLP on GPU
+    cfg.parallel = {"etp": 2}
+    with pytest.raises(FtcoreError) as e:
+        check_config(cfg)
+    assert e.value.field == "parallel.etp" and "etp=1" in e.value.fix
+    cfg.precision.te_layers = False  # SequentialMLP of local linears
+    check_config(cfg)
+    cfg.precision.te_layers, cfg.peft.target_modules = True, ["q_proj", "gate"]  # no expert
     check_config(cfg)
 
 

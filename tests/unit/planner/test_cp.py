@@ -143,15 +143,45 @@ def test_search_rows_select_their_comm_type(base):
 @pytest.mark.parametrize("comm", ["all_gather", "a2a", "a2a+p2p"])
 def test_packed_rows_under_te_take_p2p_only(comm):
     """Issue 41, item 3 (TE 2.9's rule, planner/cp.py THD_COMM_TYPES): packed rows on a GPU with
-    TE layers are refused for every comm type but p2p; unpacked rows, local layers and the CPU
-    runtime keep them all."""
+    TE layers are refused for every comm type but p2p; unpacked rows and the CPU runtime keep them
+    all (local layers on a GPU ignore them: test_local_layers_on_a_gpu_take_no_comm_type)."""
     hier = ["parallel.hierarchical_cp_sizes=[2,1]"] if comm == "a2a+p2p" else []
     over = [*LONG, "model.allow_random_base=true", *hier]
     with pytest.raises(checks.FtcoreError) as e:
         checks.check_sequence(compose([*over, f"parallel.cp_comm_type={comm}"]))
     assert e.value.field == "parallel.cp_comm_type" and "p2p" in e.value.fix
     checks.check_sequence(compose([*LONG, "parallel.cp_comm_type=p2p"]))
-    for ok in (["data.packing=false"], ["precision.te_layers=false"], ["cluster=local_cpu"]):
+    for ok in (["data.packing=false"], ["cluster=local_cpu"]):
         checks.check_sequence(compose([*over, f"parallel.cp_comm_type={comm}", *ok]))
     comms = {r.get("cp_comm_type") for r in search.layouts(compose(LONG), 8) if r["cp"] > 1}
     assert comms == {"p2p"}, comms  # the layout search applies the same rule
+
+
+@pytest.mark.parametrize("comm", ["all_gather", "a2a"])
+def test_local_layers_on_a_gpu_take_no_comm_type(comm):
+    """Issue 50 item 13: megatron's local layers (precision.te_layers=false, QLoRA) attend under CP
+    with ftcore's own all-gather whatever parallel.cp_comm_type says; the layout search proposed
+    all_gather and a2a for qwen3_235b_a22b_lora (then on local layers) and validation took them.
+    Now refused on a GPU cluster (packed rows or not), kept on the CPU runtime and with TE."""
+    over = [*LONG, "model.allow_random_base=true", "data.packing=false",
+            f"parallel.cp_comm_type={comm}"]  # fmt: skip
+    checks.check_sequence(compose(over))  # TE's attention takes it on unpacked rows
+    for local in (["precision.te_layers=false"], ["peft=qlora"]):
+        with pytest.raises(checks.FtcoreError) as e:
+            checks.check_sequence(compose([*over, *local]))
+        assert e.value.field == "parallel.cp_comm_type" and "p2p" in e.value.fix
+    checks.check_sequence(compose([*over, "precision.te_layers=false", "cluster=local_cpu"]))
+
+
+def test_qwen3_moe_lora_searches_and_takes_p2p_only():
+    """The layout search's CP rows for qwen3_235b_a22b_lora (TE's layers now, packed rows: p2p
+    only), and with precision.te_layers=false (local layers: the default only); the row it used
+    to propose is refused."""
+    for extra in ([], ["precision.te_layers=false"]):  # TE's packed rows, or local layers
+        cfg = compose(["+exp=qwen3_235b_a22b_lora", *extra])
+        rows = [r for r in search.layouts(cfg, 16, vary_recompute=False) if r["cp"] > 1]
+        assert rows and {r["cp_comm_type"] for r in rows} == {"p2p"}, extra
+        # the row it proposed, as `FTCORE_DRY_RUN=1 bash slurm/qwen3_235b_a22b_lora.sh ...` checks it
+        proposed = ["parallel.pp=1", "parallel.cp=4", "parallel.cp_comm_type=all_gather"]
+        with pytest.raises(checks.FtcoreError, match="p2p"):
+            checks.check_sequence(compose(["+exp=qwen3_235b_a22b_lora", *extra, *proposed]))

@@ -24,25 +24,29 @@ def rows():
 
 
 def test_fitting_all_rows_gives_the_shipped_constants(pred, rows):
-    """Hopper's GEMM efficiency is the fit's, to the grid step; Blackwell's one row fits 0.49
-    where 0.52 ships (its row predicted +4.5%, docs/planner.md): within 0.03. The attention
-    efficiency the fit holds is the one that ships."""
+    """Hopper's and GB300's GEMM efficiencies are the fit's, to the grid step; Blackwell's one
+    GB200 row fits 0.49 where 0.52 ships (its row predicted +4.5%, docs/planner.md): within 0.03.
+    The attention efficiency the fit holds is the one that ships, and every GPU of a family ships
+    the family's dense constants (B200's MoE host constant differs: moe_fit_blackwell.py)."""
     fitted = fit.fit(pred, rows)
-    assert set(fitted) == {"hopper", "blackwell"}
+    assert set(fitted) == {"hopper", "blackwell", "blackwell_ultra"}
+    dense = lambda k: (k.matmul_efficiency, k.attention_efficiency, k.step_overhead_s)  # noqa: E731
     for fam, k in fitted.items():
         shipped = fit.shipped(fam)
         assert k.attention_efficiency == shipped.attention_efficiency
         steps = round(100 * k.matmul_efficiency) - round(100 * shipped.matmul_efficiency)
         assert abs(steps) <= 3, (fam, k, shipped)  # grid steps of 0.01
-        for gpu in fit.FAMILIES[fam]:  # every GPU of a family ships the family's constants
-            assert calibration.CALIBRATIONS[gpu] == shipped
+        for gpu in fit.FAMILIES[fam]:
+            assert dense(calibration.CALIBRATIONS[gpu]) == dense(shipped), gpu
     assert fitted["hopper"].matmul_efficiency == calibration.HOPPER.matmul_efficiency
+    assert fitted["blackwell_ultra"].matmul_efficiency == calibration.GB300.matmul_efficiency
     # the fit is the best on its grid: one step either way makes the worst row worse
-    hopper = [r for r in rows if fit.family(r) == "hopper"]
-    k = fitted["hopper"]
-    for step in (-0.01, 0.01):
-        moved = fit.Fitted(round(k.matmul_efficiency + step, 2), k.attention_efficiency, k.rows)
-        assert moved.worst(pred, hopper) > k.worst(pred, hopper)
+    for fam in ("hopper", "blackwell_ultra"):
+        mine = [r for r in rows if fit.family(r) == fam]
+        k = fitted[fam]
+        for step in (-0.01, 0.01):
+            moved = fit.Fitted(round(k.matmul_efficiency + step, 2), k.attention_efficiency, k.rows)
+            assert moved.worst(pred, mine) > k.worst(pred, mine), (fam, step)
 
 
 def test_leave_one_out_never_fits_on_the_row_it_predicts(pred, rows):

@@ -91,3 +91,31 @@ def test_no_dynamo_step_takes_the_same_step():
     calls = []
     _, hooked = _adamw_steps(cpu.no_dynamo_step, hook=lambda *a: calls.append(1), fused=True)
     assert "step" not in vars(hooked) and len(calls) == 3
+
+
+def test_cluster_device_cpu_on_a_gpu_machine_runs_on_the_cpu(tmp_path):
+    """Issue 50 item 9: `cluster.device=cpu` where CUDA is available built megatron's model on
+    cuda:0 for every rank over gloo (the CPU runtime stood aside whenever CUDA existed). Here a
+    training process is told CUDA is available; this torch has none, so a model put on "the GPU"
+    fails: the run must train on the CPU."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.support.tiny import TINY
+
+    root = Path(__file__).resolve().parents[3]
+    argv = [*TINY, "cluster.device=cpu", "train.max_steps=1", f"run.dir={tmp_path}"]
+    code = (
+        "import runpy, sys, torch\n"
+        "torch.cuda.is_available = lambda: True  # a machine with an H100\n"
+        "torch.cuda.get_device_capability = lambda *a: (9, 0)\n"
+        f"sys.argv = ['ftcore.train', *{argv!r}]\n"
+        "runpy.run_module('ftcore.train', run_name='__main__')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert '"loss"' in (tmp_path / "metrics.jsonl").read_text()

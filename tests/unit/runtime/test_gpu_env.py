@@ -70,3 +70,34 @@ def test_at_process_start_keeps_user_values_and_skips_cpu():
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "8" and "CUDA_DEVICE_MAX_CONNECTIONS" not in got
     assert got["NVTE_BWD_LAYERNORM_SM_MARGIN"] == "20"
     assert gpu_env.at_process_start(compose(["+exp=tiny_lora"]), env := {}) == {} and env == {}
+
+
+def image_env() -> dict[str, str]:
+    """The variables the Dockerfile's ENV instructions set (its continued lines joined)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[3] / "Dockerfile").read_text()
+    env = {}
+    for m in re.finditer(r"^ENV\s+((?:.*\\\n)*.*)$", text, re.M):
+        for word in shlex.split(m.group(1).replace("\\\n", " ")):
+            key, _, value = word.partition("=")
+            env[key] = value
+    return env
+
+
+def test_the_image_leaves_ftcore_s_choices_to_ftcore():
+    """Issue 50 item 7: a value already in the environment wins over ftcore's choice (a user's
+    export must), so a variable the image sets would fix it for every config: the Dockerfile's
+    CUDA_DEVICE_MAX_CONNECTIONS=1 kept the tp=1 and Blackwell value 32 from ever applying in
+    ftcore's own image (the Kubernetes launcher overrides it: the two launchers differed)."""
+    image = image_env()
+    assert image.get("FTCORE_GPU_REQUIRE_TE") == "1" and "PYTHONUNBUFFERED" in image  # parsed
+    chosen = set()
+    for exp in (["+exp=70b_fp8"], ["+exp=70b_full"], ["+exp=8b_lora"], ["+exp=405b_full"]):
+        chosen |= set(gpu_env.gpu_env(compose(exp), nnodes=16))
+    assert chosen & set(image) == set()
+    env = dict(image)
+    gpu_env.apply(env, compose(["+exp=8b_lora"]))  # tp=1 on H100
+    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"

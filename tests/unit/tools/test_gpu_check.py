@@ -151,3 +151,22 @@ def test_a_second_report_of_the_day_keeps_the_first(tmp_path):
     assert (
         gc.report_path(tmp_path, "2026-11-26", "NVIDIA H200").name == "2026-11-26-nvidia-h200-2.md"
     )
+
+
+def test_every_lent_gpu_runs_dpo_with_the_stored_reference_and_a_moe_step():
+    """Issue 50: `make gpu-check` runs `pytest -m gpu tests/gpu`; its DPO (precompute_ref) and MoE
+    cases need one GPU and no Transformer Engine, so any lent GPU (the H200s so far had no TE)
+    exercises them, and their tests exist."""
+    import ast
+
+    from tests.gpu.cases import CASES
+
+    for name in ("dpo_precompute", "moe"):
+        case = CASES[name]
+        assert case.gpus == 1 and not case.te and case.refused is None, name
+    over = dict(o.split("=", 1) for o in CASES["dpo_precompute"].overrides() if "=" in o)
+    assert over["objective"] == "dpo" and over["objective.precompute_ref"] == "true"
+    assert int(dict(o.split("=", 1) for o in CASES["moe"].overrides())["model.num_experts"]) > 1
+    tree = ast.parse((ROOT / "tests" / "gpu" / "test_gpu_door.py").read_text())
+    used = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
+    assert {"dpo_precompute", "moe"} <= used
