@@ -12,12 +12,13 @@ How, cheaply and honestly:
   checkpoint of the family tests/data/docs_commands.yaml names; data files a page assumes
   (`pairs.jsonl`) are made first, from the bundled samples;
 - the one change to a command as written: `python -m ftcore.train` without train.max_steps or
-  train.epochs gets `train.max_steps=2` (the presets train 60 to 150 steps, minutes each here);
-  the quick start (train.epochs=1, one step) runs exactly as written;
+  train.epochs gets `train.max_steps=2` and `eval.max_samples=8`, `python -m ftcore.eval` the
+  latter (the presets train 60 to 150 steps and generate 100 answers for their accuracy before and
+  after: minutes each here); the quick start (train.epochs=1, one step) runs exactly as written;
 - a command passes with exit 0, or the status its comment gives ("exit 2, \"...\"", with the quoted
   text in its output), and the output tests/data/docs_commands.yaml expects;
 - the `generate with:` line a training run prints is run too (a prompt in place of its `...`)
-  where it carries the run's overrides (model, layout, launcher: once per such set); a run that
+  where it carries the run's overrides (model, layout, launcher: once per set of keys); a run that
   stops with exit 3 has its `resume with:` line run;
 - what cannot run here (GPUs, SLURM, Kubernetes, containers, the suite itself) is listed with the
   reason in tests/data/docs_commands.yaml, whose ftcore commands are composed (`--cfg job`).
@@ -46,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[3]
 TABLE = ROOT / "tests" / "data" / "docs_commands.yaml"
 SHELLS = ("bash", "sh", "shell", "console")
 CAP = "train.max_steps=2"
+SAMPLES = "eval.max_samples=8"
 PROMPT = "What is 2 + 3?"
 
 
@@ -266,13 +268,17 @@ def substitute(s: Session, text: str) -> str:
 
 
 def capped(part: str) -> str:
-    """`train.max_steps=2` after a training command that sets neither its steps nor its epochs."""
+    """A training command that sets neither its steps nor its epochs gets `train.max_steps=2`, and
+    it or an evaluation that sets no eval.max_samples gets `eval.max_samples=8` (the presets'
+    exact-match accuracy generates 100 answers before and after training: most of such a run)."""
     prog = ftcore_argv(part)
-    if prog is None or prog[0] != "ftcore.train" or "--cfg" in prog[1]:
+    if prog is None or prog[0] not in ("ftcore.train", "ftcore.eval") or "--cfg" in prog[1]:
         return part
     if any(a.startswith(("train.max_steps=", "train.epochs=")) for a in prog[1]):
         return part
-    return f"{part} {CAP}"
+    if any(a.startswith("eval.max_samples=") for a in prog[1]):
+        return f"{part} {CAP}" if prog[0] == "ftcore.train" else part
+    return f"{part} {CAP if prog[0] == 'ftcore.train' else ''} {SAMPLES}".replace("  ", " ")
 
 
 def expected_status(c: Shown) -> tuple[int, list[str]]:
@@ -287,7 +293,7 @@ def expected_status(c: Shown) -> tuple[int, list[str]]:
 def follow_printed(s: Session, c: Shown, p: subprocess.CompletedProcess) -> None:
     """The `resume with:` line of a stopped run, and the `generate with:` line of a finished one
     where it carries the run's overrides (beyond +exp and what it wrote): run as printed, once per
-    set of carried overrides."""
+    set of carried keys."""
     out = p.stderr + p.stdout
     if p.returncode == 3 and "resume with: " in out:
         line = out.split("resume with: ", 1)[1].splitlines()[0]
@@ -298,7 +304,7 @@ def follow_printed(s: Session, c: Shown, p: subprocess.CompletedProcess) -> None
         return
     line = out.split("generate with: ", 1)[1].splitlines()[0].replace('"..."', f'"{PROMPT}"')
     own = ("+exp=", "peft.adapter_path=", "model.hf_path=outputs/", "generate.prompt=")
-    carried = frozenset(a for a in shlex.split(line)[3:] if not a.startswith(own))
+    carried = frozenset(a.split("=")[0] for a in shlex.split(line)[3:] if not a.startswith(own))
     if not carried or carried in s.followed:
         return
     s.followed.add(carried)
