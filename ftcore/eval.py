@@ -72,6 +72,10 @@ def task(cfg: DictConfig) -> int | None:
     # first: on a machine without a GPU nothing else matters
     preflight.require_cuda(cfg, "eval")
     preflight.use_adapter(cfg, training=False)  # an adapter path is loaded, never dropped
+    if cfg.objective.name == "grpo":
+        raise FtcoreError("ftcore.eval has no objective=grpo evaluation yet (held-out rollouts)",
+                          field="objective", fix="evaluate the adapter's answers with ftcore.generate, "
+                          "or the SFT loss with objective=sft")  # fmt: skip
     from ftcore.runtime import dist as rdist
 
     status = rdist.launch_standalone(

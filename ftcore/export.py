@@ -74,6 +74,12 @@ def task(cfg: DictConfig) -> int | None:
     from ftcore.hf.export import export_checkpoint
 
     check_ranges(cfg)
+    from ftcore.hf.export import DTYPES
+
+    if cfg.export.dtype and cfg.export.dtype not in (*DTYPES, "fp8"):
+        raise FtcoreError(f"export.dtype={cfg.export.dtype} is not one of "
+                          f"{', '.join((*DTYPES, 'fp8'))}", field="export.dtype",
+                          fix="export.dtype=bf16 (or fp8: DeepSeek's FP8 block format)")  # fmt: skip
     if not cfg.export.checkpoint:
         raise FtcoreError("no checkpoint given", field="export.checkpoint",
                           fix="export.checkpoint=<run.dir>/checkpoints/step_<N>")  # fmt: skip

@@ -21,6 +21,7 @@ def task(cfg: DictConfig) -> int | None:
     status = dist.launch_standalone(cfg, "ftcore.train", checks.check_for_launch)
     if status is not None:
         return status
+    from ftcore.runtime import run_lock
     from ftcore.training import trainer
 
     try:
@@ -28,6 +29,7 @@ def task(cfg: DictConfig) -> int | None:
         trainer.fit(state)
     finally:
         dist.teardown()
+        run_lock.release()  # the lock rank 0 took in setup, if any
     return None
 
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 import copy
 import math
 import re
+import secrets
 import sys
+import time
 
 from ftcore.launch import k8s_manifest, node, slurm_env
 
@@ -23,6 +25,7 @@ from ftcore.errors import FtcoreError
 
 KINDS = tuple(k8s_manifest.BUILDERS)
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 MAX_NAME = 40  # the pods are <name>-node-<i>-<j>.<name>: a DNS label of at most 63 characters
 PATH_FIELDS = ("data.path", "data.val_path", "model.hf_path", "model.init_path", "model.tokenizer",
                "peft.adapter_path", "checkpoint.resume")  # fmt: skip
@@ -70,11 +73,47 @@ def settings_problems(cfg) -> list[str]:
         if k[key] < 0:
             found.append(str(FtcoreError(f"must be >= 0, got {k[key]}", field=f"k8s.{key}",
                                          fix=f"k8s.{key}=0 or more")))  # fmt: skip
+    for key in ("cpu", "memory"):
+        if k[key] is not None and not QUANTITY.match(str(k[key])):
+            found.append(str(FtcoreError(f"{k[key]!r} is not a Kubernetes quantity", field=f"k8s.{key}",
+                                         fix=f"k8s.{key}={'16' if key == 'cpu' else '256Gi'} "
+                                         "(a number, with a suffix such as m, Gi or G)")))  # fmt: skip
     reserved = sorted(v for v in k.env if v.startswith("PET_"))
     if reserved:
         found.append(str(FtcoreError(f"{', '.join(reserved)} are Kubeflow's to set", field="k8s.env",
                          fix="set the layout with k8s.nodes and k8s.procs_per_node")))  # fmt: skip
     return found
+
+
+def storage_problems(cfg, at: slurm_env.Layout) -> list[str]:
+    """A job of several nodes needs one run.dir that every pod writes and a restart finds: a
+    shared output volume. Without one, each pod's checkpoint shards would stay on its own disk."""
+    if at.nnodes == 1 or cfg.k8s.output_claim:
+        return []
+    return [str(FtcoreError(
+        f"a {at.nnodes}-node job without an output volume: run.dir would be on each pod's own "
+        "disk, its checkpoints split over the pods and lost when they restart",
+        field="k8s.output_claim",
+        fix="k8s.output_claim=<a ReadWriteMany PersistentVolumeClaim> (mounted at "
+        f"k8s.output_path={cfg.k8s.output_path})"))]  # fmt: skip
+
+
+def requests(cfg, at: slurm_env.Layout) -> tuple[str, str]:
+    """CPU and memory each pod requests: k8s.cpu / k8s.memory, else from the layout. GPU: 8 CPUs
+    per process (data loading, the launcher, NCCL's proxy threads; an 8-GPU node has 100-200)
+    and 16 GiB per process (CUDA context, NCCL, tokenizer, loader) plus the host memory the
+    planner gives a rank (a random base drawn on the host, an async save's staging). CPU
+    clusters: each rank's threads, and 4 GiB per rank."""
+    c, k, n = cfg.cluster, cfg.k8s, at.nproc_per_node
+    if c.device == "cpu":
+        threads = cfg.launcher.threads_per_rank or 1
+        cpu, memory = str(n * threads), f"{4 * n}Gi"
+    else:
+        from ftcore.planner.memory import host_bytes
+
+        peak = max(host_bytes(cfg, at.world_size, r)["peak"] for r in range(cfg.parallel.pp))
+        cpu, memory = str(8 * n), f"{n * (16 + math.ceil(peak / 2**30))}Gi"
+    return str(k.cpu or cpu), str(k.memory or memory)
 
 
 def layout(cfg) -> slurm_env.Layout:
@@ -126,16 +165,27 @@ def problems(cfg, at: slurm_env.Layout) -> list[str]:
     return node.check(at, checked) + node.job_problems(at, checked, "ftcore.train")
 
 
-def trainer_argv(cfg, overrides: list[str], name: str) -> list[str]:
-    """python -m ftcore.launch.node ... -- +exp=NAME run.dir=... [the user's overrides]."""
+def submission() -> str:
+    """This submission's own suffix: UTC time to the second and 4 random hex digits."""
+    return f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
+
+
+def trainer_argv(cfg, overrides: list[str], name: str, stamp: str) -> list[str]:
+    """python -m ftcore.launch.node ... -- +exp=NAME run.dir=... [the user's overrides].
+
+    Unless the user names run.dir, each submission gets its own (`<name>-<stamp>`) and run.id: a
+    restart of this job's pods (same manifest) resumes it, a new submission of the experiment
+    (new data, new settings) starts a run of its own instead of continuing the last one."""
     k = cfg.k8s
     mine = [o for o in overrides if not o.startswith(OWN)]
     exp = [o for o in mine if o.lstrip("+").startswith("exp=")]
     rest = [o for o in mine if o not in exp]
-    given = {o.lstrip("+").split("=", 1)[0] for o in rest}
+    given = {o.lstrip("+~").split("=", 1)[0] for o in rest}
     ours = []
-    if "run.dir" not in given:  # the same directory after every restart: resume finds it
-        ours.append(f"run.dir={k.output_path.rstrip('/')}/{cfg.run.exp}/{name}")
+    if "run.dir" not in given:
+        ours.append(f"run.dir={default_run_dir(cfg, name, stamp)}")
+        if "run.id" not in given:  # resume=auto then refuses a checkpoint of another submission
+            ours.append(f"run.id=k8s:{name}-{stamp}")
     if "checkpoint.resume" not in given:
         ours.append("checkpoint.resume=auto")
     # --linger=0: the SLURM linger keeps srun from killing nodes still saving; in a pod the
@@ -143,6 +193,10 @@ def trainer_argv(cfg, overrides: list[str], name: str) -> list[str]:
     # the rest of the exit.
     launcher = ["--module=ftcore.train", "--linger=0", "--"]
     return [k.python, "-m", "ftcore.launch.node", *launcher, *exp, *ours, *rest]
+
+
+def default_run_dir(cfg, name: str, stamp: str) -> str:
+    return f"{cfg.k8s.output_path.rstrip('/')}/{cfg.run.exp}/{name}-{stamp}"
 
 
 def environment(cfg, nodes: int) -> dict[str, str]:
@@ -158,14 +212,17 @@ def environment(cfg, nodes: int) -> dict[str, str]:
     return env
 
 
-def manifest(cfg, overrides: list[str]) -> dict:
+def manifest(cfg, overrides: list[str], stamp: str = "") -> dict:
     at = layout(cfg)
     name = job_name(cfg)
     gpus = at.nproc_per_node if cfg.cluster.device != "cpu" else 0
+    cpu, memory = requests(cfg, at)
     job = k8s_manifest.Job(
         name=name,
         image=cfg.k8s.image,
-        argv=trainer_argv(cfg, overrides, name),
+        argv=trainer_argv(cfg, overrides, name, stamp or submission()),
+        cpu=cpu,
+        memory=memory,
         nodes=at.nnodes,
         procs_per_node=at.nproc_per_node,
         gpus_per_node=gpus,
@@ -193,23 +250,32 @@ def main(argv: list[str] | None = None) -> int:
     megatron_jit.install()  # the checks import megatron-core (as ftcore/cli.py does)
     quiet_libraries("--verbose" in (sys.argv if argv is None else argv))
     overrides = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--verbose"]
+    stamp = submission()
     try:
         cfg = compose(overrides)
         skip_unused_imports(cfg)
         found = settings_problems(cfg)
+        runtime = cfg.k8s.kind == "runtime"  # the restart policy only: no model, data or layout
         bad_layout = any(p.startswith("k8s.") and "image" not in p for p in found)
-        found += [] if bad_layout else problems(cfg, layout(cfg))
-        doc = None if found else manifest(cfg, overrides)
+        if not (bad_layout or runtime):
+            found += storage_problems(cfg, layout(cfg)) + problems(cfg, layout(cfg))
+        doc = None if found else manifest(cfg, overrides, stamp)
     except FtcoreError as e:
         found = [str(e)]
     for p in found:
         print(f"ftcore error: {p}", file=sys.stderr, flush=True)
     if found:
         return 2
-    if cfg.k8s.kind != "runtime" and not cfg.k8s.output_claim:
+    if not runtime and not cfg.k8s.output_claim:
         print(
-            "ftcore.launch.k8s: k8s.output_claim is unset: run.dir is on each pod's own disk, so a "
-            "restarted job cannot resume and multi-node checkpoints are split over the pods",
+            "ftcore.launch.k8s: k8s.output_claim is unset: run.dir is on the pod's own disk, so a "
+            "restarted job cannot resume",
+            file=sys.stderr,
+        )
+    if not runtime and "run.dir" not in {o.lstrip("+~").split("=", 1)[0] for o in overrides}:
+        print(
+            f"ftcore.launch.k8s: run.dir={default_run_dir(cfg, job_name(cfg), stamp)}: this "
+            "submission's own (restarts of its pods resume it; pass run.dir=... to pin one)",
             file=sys.stderr,
         )
     sys.stdout.write(to_yaml(doc))

@@ -62,6 +62,8 @@ class Job:
     env: dict[str, str]
     k8s: object  # the composed k8s section
     labels: dict[str, str] = field(default_factory=dict)
+    cpu: str = "1"  # requests per pod (node): Kubernetes quantities (launch/k8s.py sizes them)
+    memory: str = "4Gi"
 
 
 def _metadata(job: Job, name: str | None = None) -> dict:
@@ -81,28 +83,37 @@ def _env(job: Job) -> list[dict]:
 
 
 def _resources(job: Job) -> dict:
+    """GPUs and RDMA devices as limits (= requests, as extended resources must be); CPU and memory
+    as requests, so the scheduler places a pod where they are (no limit: a training process
+    throttled or OOM-killed by a guess would be worse than one that uses what the node has)."""
     limits: dict = {}
     if job.gpus_per_node:
         limits["nvidia.com/gpu"] = str(job.gpus_per_node)  # a quantity: a string in the API
     fabric = FABRICS[job.k8s.fabric]
     if fabric["resource"]:
         limits[fabric["resource"]] = str(job.k8s.fabric_devices or fabric["devices"])
-    return {"limits": limits, "requests": dict(limits)} if limits else {}
+    requests = {"cpu": job.cpu, "memory": job.memory, **limits}
+    return {"limits": limits, "requests": requests} if limits else {"requests": requests}
 
 
 def _volumes(job: Job) -> tuple[list[dict], list[dict]]:
-    """The pod's volumes and the trainer container's mounts: /dev/shm in memory, the claims."""
+    """The pod's volumes and the trainer container's mounts: /dev/shm in memory, the claims. Models
+    and data are only read: mounted read-only (a multi-node job needs them ReadOnlyMany, or
+    ReadWriteMany; the outputs ReadWriteMany: every node writes its checkpoint shards there)."""
     k = job.k8s
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": k.shm_size}}]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    for name, claim, path in (
-        ("outputs", k.output_claim, k.output_path),
-        ("models", k.model_claim, k.model_path),
-        ("data", k.data_claim, k.data_path),
+    for name, claim, path, read_only in (
+        ("outputs", k.output_claim, k.output_path, False),
+        ("models", k.model_claim, k.model_path, True),
+        ("data", k.data_claim, k.data_path, True),
     ):
         if claim:
-            volumes.append({"name": name, "persistentVolumeClaim": {"claimName": claim}})
-            mounts.append({"name": name, "mountPath": path})
+            pvc = {"claimName": claim, **({"readOnly": True} if read_only else {})}
+            volumes.append({"name": name, "persistentVolumeClaim": pvc})
+            mounts.append(
+                {"name": name, "mountPath": path, **({"readOnly": True} if read_only else {})}
+            )
     for name, (host, path) in FABRICS[k.fabric]["host_mounts"].items():
         volumes.append({"name": name, "hostPath": {"path": host}})
         mounts.append({"name": name, "mountPath": path})

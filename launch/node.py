@@ -20,9 +20,11 @@ the workers after a 30 s grace, too short to save a 70B/405B checkpoint. Here:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -31,6 +33,7 @@ from pathlib import Path
 from ftcore.launch import pet_env, slurm_env
 
 from ftcore.cli import VERBOSE_ENV, exit_process, quiet_libraries, skip_unused_imports
+from ftcore.runtime import parent_death
 
 EXIT_OK, EXIT_USER_ERROR, EXIT_REQUEUE = 0, 2, 3
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
@@ -174,6 +177,13 @@ def _ignore_usr2() -> None:
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
+def start_workers(cmd: list[str], envs: list[dict[str, str]]) -> list[subprocess.Popen]:
+    """One worker per environment. Each gets SIGTERM (save and stop) if this launcher dies
+    without forwarding anything, e.g. SIGKILLed (ftcore/runtime/parent_death.py)."""
+    preexec = parent_death.preexec(also=_ignore_usr2)
+    return [subprocess.Popen(cmd, env=env, preexec_fn=preexec) for env in envs]
+
+
 def supervise(procs: list[subprocess.Popen], grace: float) -> int:
     """Wait for every worker; forward stop signals; on a crash take the others down."""
 
@@ -251,15 +261,31 @@ def _mark_done(exits: Path | None, node: int, status: int):
     env = os.environ
     job, restart = env.get("SLURM_JOB_ID", "local"), env.get("SLURM_RESTART_COUNT", "0")
     attempt = f"{job}.{restart}.{env.get('SLURM_STEP_ID', '0')}"
-    if exits is None or not exits.is_dir():
+    if exits is None:
         return lambda n: False
     where = exits / "node_exits"
     try:
-        where.mkdir(exist_ok=True)
-        (where / f"{attempt}.node{node}").write_text(f"{status}\n")
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(where, 0o700)
+        if not all(_mine(d) for d in (exits.parent, exits, where)):
+            return lambda n: False  # someone else's directory (or a link): write nothing there
+        # created anew, never through a name someone left there (a link to a file of theirs)
+        fd = os.open(where / f"{attempt}.node{node}",
+                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)  # fmt: skip
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{status}\n")
     except OSError:
         return lambda n: False
     return lambda n: len(list(where.glob(f"{attempt}.node*"))) >= n
+
+
+def _mine(path: Path) -> bool:
+    """A real directory (not a link) of this user's."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
 
 
 def exits_dir(overrides: list[str]) -> Path | None:
@@ -318,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         keys = ("exp", "nnodes", "nproc_per_node", "world_size", "tp", "pp", "cp", "dp")
         summary = " ".join(f"{k}={info[k]}" for k in keys if k in info)
         print(f"ftcore.launch: job {layout.job_id}: {summary}", flush=True)
+        # the address, not the port: logs outlive the job and the port is the store's only secret
         print(
-            f"ftcore.launch: rendezvous {layout.master_addr}:{layout.master_port} nodes={','.join(layout.nodes)}",
+            f"ftcore.launch: rendezvous at {layout.master_addr} nodes={','.join(layout.nodes)}",
             flush=True,
         )
         print(f"ftcore.launch: worker command: {' '.join(info['worker_cmd'])}", flush=True)
@@ -327,14 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ftcore.launch: got {signal.Signals(early[0]).name} before start", file=sys.stderr)
         return 128 + early[0]
     gpu = cfg is None or cfg.cluster.device != "cpu"
-    procs = [
-        subprocess.Popen(
-            info["worker_cmd"],
-            env=slurm_env.worker_env(layout, r, env, gpu, cfg),
-            preexec_fn=_ignore_usr2,
-        )
-        for r in range(layout.nproc_per_node)
-    ]
+    envs = [slurm_env.worker_env(layout, r, env, gpu, cfg) for r in range(layout.nproc_per_node)]
+    procs = start_workers(info["worker_cmd"], envs)
     status = supervise(procs, args.grace)
     print(f"ftcore.launch: node {layout.node_rank}: workers done, exit {status}", flush=True)
     return finish(status, layout.nnodes, args.linger, exits, layout.node_rank)

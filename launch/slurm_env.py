@@ -15,11 +15,12 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass
 
-# The job id spreads jobs over PORT_SPREAD ports from here: 12000-31999, below Linux's ephemeral
-# range (32768-60999 by default), where any outgoing connection (NCCL's, the file system's) may hold
-# the port at the moment the rendezvous binds it, failing a start or a requeue with EADDRINUSE.
-DEFAULT_PORT_BASE = 12000
-PORT_SPREAD = 20000
+# Ports a rendezvous may take: the unprivileged ones from 10000 up (below, services usually
+# listen: SLURM's own 6817-6819, databases, notebooks) outside Linux's default ephemeral range
+# (32768-60999), where any outgoing connection (NCCL's, the file system's) may hold the port at the
+# moment the rendezvous binds it, failing a start or a requeue with EADDRINUSE: 27304 ports.
+PORT_RANGES = ((10000, 32768), (61000, 65536))
+PORT_COUNT = sum(hi - lo for lo, hi in PORT_RANGES)
 # A per-job secret the batch shell draws at the start of each attempt (slurm/common.sh) and srun
 # passes to every node's launcher: the port comes from it, not from public facts (the job id, which
 # everyone sees in squeue). Set but empty: a dry run, where the port is chosen when the job starts.
@@ -104,8 +105,18 @@ def master_port(env: dict[str, str]) -> int | None:
         if not env[SECRET_ENV]:
             return None
         digest = hashlib.sha256(f"{env[SECRET_ENV]}:{job}".encode()).digest()
-        return DEFAULT_PORT_BASE + int.from_bytes(digest[:8], "big") % PORT_SPREAD
-    return DEFAULT_PORT_BASE + (int(job) % PORT_SPREAD if job.isdigit() else 0)
+        return port_at(int.from_bytes(digest[:8], "big"))
+    return port_at(int(job) if job.isdigit() else 0)
+
+
+def port_at(i: int) -> int:
+    """The (i mod PORT_COUNT)-th port of PORT_RANGES."""
+    i %= PORT_COUNT
+    for lo, hi in PORT_RANGES:
+        if i < hi - lo:
+            return lo + i
+        i -= hi - lo
+    raise AssertionError("unreachable")
 
 
 def from_env(

@@ -46,6 +46,46 @@ _ftcore_python() {
 	fi
 }
 
+# _ftcore_refuse PATH WHAT: the one error line (exit 2, never requeued) for a path not ours.
+_ftcore_refuse() {
+	echo "ftcore error: run.dir: $1 $2: a run directory someone else made (or a link in it) is never" \
+		"written to -- fix: FTCORE_RUN_DIR=<a new directory of yours>, or remove $1" >&2
+	return 2
+}
+
+# _ftcore_private_dir DIR: create DIR readable by this user only (0700) unless it exists; exit
+# status 2 when it is a link, not a directory, or another user's.
+_ftcore_private_dir() {
+	local d=$1
+	if [[ ! -e $d && ! -L $d ]]; then
+		mkdir -p -- "$(dirname -- "$d")" || return 1
+		mkdir -m 700 -- "$d" 2>/dev/null || [[ -e $d ]] || return 1
+	fi
+	[[ -L $d ]] && { _ftcore_refuse "$d" "is a symbolic link"; return; }
+	[[ -d $d ]] || { _ftcore_refuse "$d" "is not a directory"; return; }
+	[[ -O $d ]] || { _ftcore_refuse "$d" "belongs to another user"; return; }
+	return 0
+}
+
+# _ftcore_own_file FILE: nothing there yet, or a plain file of this user's (status 2 otherwise).
+_ftcore_own_file() {
+	local f=$1
+	[[ -e $f || -L $f ]] || return 0
+	[[ -L $f ]] && { _ftcore_refuse "$f" "is a symbolic link"; return; }
+	[[ -f $f && -O $f ]] || { _ftcore_refuse "$f" "is not a file of yours"; return; }
+	return 0
+}
+
+# _ftcore_private_output: the job's SLURM output file (created by slurmd with the submitter's
+# umask) readable by this user only, like logs/job.log.
+_ftcore_private_output() {
+	[[ -n ${SLURM_JOB_ID:-} ]] && command -v scontrol >/dev/null || return 0
+	local out
+	out=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *StdOut=//p')
+	[[ -n $out && -f $out && ! -L $out && -O $out ]] && chmod go-rwx -- "$out"
+	return 0
+}
+
 _ftcore_on_signal() {
 	FTCORE_GOT_SIGNAL=$1
 	[[ $1 == TERM ]] && FTCORE_TERMINATED=1
@@ -122,9 +162,15 @@ ftcore_run() {
 	FTCORE_RENDEZVOUS_SECRET=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n') || return 1
 	export FTCORE_RENDEZVOUS_SECRET
 
-	mkdir -p "$run_dir/logs" || return 1
+	# Nothing is written into a run directory before it is known to be this user's own: one
+	# pre-created by someone else (job ids are public) could hold links to their victims' files.
+	_ftcore_private_dir "$run_dir" || return
+	_ftcore_private_dir "$run_dir/logs" || return
+	_ftcore_own_file "$run_dir/logs/job.log" || return
+	_ftcore_own_file "$FTCORE_STOP_FILE" || return
 	rm -f "$FTCORE_STOP_FILE" # a stop request belongs to the attempt that made it
-	exec > >(tee -a "$run_dir/logs/job.log") 2>&1
+	_ftcore_private_output
+	exec > >(umask 077 && exec tee -a "$run_dir/logs/job.log") 2>&1
 	local tee_pid=$!
 	ftcore_log "job $job (restart $restarts) on ${SLURM_JOB_NODELIST:-$(hostname)}: exp=$exp run.dir=$run_dir"
 	ftcore_log "python: $python ($FTCORE_PY_WHY)"

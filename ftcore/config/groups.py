@@ -39,12 +39,17 @@ class LauncherConfig:
 
 @dataclass
 class RopeScalingConfig:
-    """Llama 3 rope scaling (`rope_type: llama3` in HF config.json)."""
+    """RoPE scaling of HF config.json: llama3 (Llama 3.1+) or yarn (DeepSeek-V3's MLA only)."""
 
+    rope_type: str = "llama3"  # llama3 | yarn
     factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float = 1.0  # yarn: the cos/sin concentration's numerator
+    mscale_all_dim: float = 0.0  # yarn: its denominator, and the softmax scale's (squared)
 
 
 @dataclass
@@ -85,6 +90,32 @@ class ModelConfig:
     # layers with a dense MLP of ffn_hidden_size (HF mlp_only_layers, decoder_sparse_step)
     moe_dense_layers: list[int] = field(default_factory=list)
     moe_aux_loss_coeff: float = 0.0  # HF router_aux_loss_coef, used as given
+    # DeepSeek-V3 / GLM-4.5 routing (docs/deepseek.md): shared experts of this total width (HF
+    # n_shared_experts x moe_intermediate_size), sigmoid scores, an expert bias
+    # (e_score_correction_bias) for the choice, group-limited top-k, a scaled router output
+    moe_shared_expert_ffn_hidden_size: Optional[int] = None
+    moe_router_score_function: str = "softmax"  # softmax | sigmoid
+    moe_router_expert_bias: bool = False
+    moe_router_num_groups: Optional[int] = None  # HF n_group (None: no groups)
+    moe_router_group_topk: Optional[int] = None  # HF topk_group
+    moe_router_topk_scaling_factor: float = 1.0  # HF routed_scaling_factor
+    # q/k/v biases and per-head q/k norms; None = the family's (GLM-4.5: attention_bias, use_qk_norm)
+    qkv_bias: Optional[bool] = None
+    qk_layernorm: Optional[bool] = None
+    rotary_percent: float = 1.0  # share of the head dim RoPE rotates (HF partial_rotary_factor)
+    # multi-head latent attention (family deepseek_v3): q down to q_lora_rank (None: one q_proj),
+    # k/v down to kv_lora_rank, heads of qk_nope_head_dim + qk_rope_head_dim (q, k) and v_head_dim
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    # the checkpoint's FP8 weight block (quantization_config.weight_block_size, [128, 128] as
+    # DeepSeek publishes): its FP8 weights are read dequantized (docs/deepseek.md); null = not FP8
+    fp8_block: Optional[list[int]] = None
+    # multi-token-prediction layers in the checkpoint (HF num_nextn_predict_layers): carried into
+    # the export unchanged, never built or trained
+    mtp_layers: int = 0
 
 
 @dataclass
@@ -129,6 +160,10 @@ class MoeConfig:
     aux_loss_coeff: Optional[float] = None  # None = model.moe_aux_loss_coeff
     router_dtype: str = "fp32"  # the router's softmax and top-k in fp32
     dispatcher: str = "alltoall"  # megatron's token dispatcher
+    # aux-loss-free balancing of a model with an expert bias (DeepSeek-V3, GLM-4.5): each step
+    # moves every expert's bias by this much toward the mean load (megatron's
+    # moe_router_bias_update_rate). 0 keeps the published bias; metrics log the largest move.
+    expert_bias_update_rate: float = 0.0
 
 
 @dataclass
@@ -221,14 +256,30 @@ class PeftConfig:
 
 
 @dataclass
-class ObjectiveConfig:
-    """What a step minimises (docs/preference.md): sft (next-token cross entropy) or dpo
-    (preference pairs, TRL 1.x's definitions)."""
+class RewardConfig:
+    """One reward function of objective=grpo (docs/grpo.md): a built-in by name (exact_answer,
+    last_number, regex) or the user's own as `module:function`, TRL's signature
+    `f(prompts, completions, **columns) -> list[float]`, imported only when named."""
 
-    name: str = "sft"  # sft | dpo
-    beta: float = 0.1  # dpo: the KL strength (TRL's beta)
-    # dpo: TRL's loss names (sigmoid, ipo, hinge, sft), summed with loss_weights (null: 1.0 each)
-    loss_type: list[str] = field(default_factory=lambda: ["sigmoid"])
+    fn: str = MISSING
+    weight: float = 1.0
+    column: Optional[str] = None  # exact_answer, last_number: the record's answer column
+    pattern: Optional[str] = None  # regex: what the whole completion must match
+    name: Optional[str] = None  # the metric's name (rewards/NAME/mean); default the function's
+
+
+@dataclass
+class ObjectiveConfig:
+    """What a step minimises: sft (next-token cross entropy), dpo (preference pairs, TRL 1.x's
+    definitions; docs/preference.md) or grpo (online RL on prompts, TRL 1.16's GRPOTrainer;
+    docs/grpo.md)."""
+
+    name: str = "sft"  # sft | dpo | grpo
+    # dpo: the KL strength (TRL's beta); grpo: the k3 KL penalty to the reference (0: none)
+    beta: float = 0.1
+    # dpo: a list of TRL's loss names (sigmoid, ipo, hinge, sft), summed with loss_weights (null:
+    # 1.0 each); grpo: one name (grpo, dapo, dr_grpo, bnpo)
+    loss_type: Any = field(default_factory=lambda: ["sigmoid"])
     loss_weights: Optional[list[float]] = None
     label_smoothing: float = 0.0  # dpo, sigmoid only (conservative DPO), in [0, 0.5)
     # dpo with LoRA: the reference is the base plus this adapter, and the policy starts from it
@@ -236,6 +287,21 @@ class ObjectiveConfig:
     # dpo: reference log-probs from a first pass over the data, stored per pair in run.dir (full
     # fine-tuning: no frozen copy; LoRA: no forward without adapters per step)
     precompute_ref: bool = False
+    # grpo (TRL's GRPOConfig names): completions sampled per prompt; train.global_batch_size
+    # counts completions, so a step takes global_batch_size / num_generations prompts
+    num_generations: int = 8
+    max_completion_length: int = 256
+    temperature: float = 1.0  # sampling, and the log-probs of the loss (TRL divides the logits)
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    epsilon: float = 0.2  # the ratio's clip range below 1
+    epsilon_high: Optional[float] = None  # above 1 (null: epsilon; DAPO uses 0.28)
+    scale_rewards: str = "group"  # group | batch | none
+    num_iterations: int = 1  # policy updates per rollout batch (old log-probs kept)
+    mask_truncated_completions: bool = False
+    # the KL term times the ratio r (TRL 1.16's default): its gradient the unbiased reverse-KL one
+    use_bias_correction_kl: bool = True
+    rewards: list[RewardConfig] = field(default_factory=list)
 
 
 @dataclass

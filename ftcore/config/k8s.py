@@ -22,7 +22,11 @@ class K8sConfig:
     max_restarts: int = 10  # restarts after exit 3, a node failure or a crash; exit 2 never
     grace_seconds: int = 900  # terminationGracePeriodSeconds: time to save after SIGTERM
     shm_size: str = "64Gi"  # /dev/shm, a memory-backed emptyDir (the 64 MiB default breaks NCCL)
+    # per pod (node) requests, Kubernetes quantities; default from the layout (docs/kubernetes.md)
+    cpu: Optional[str] = None  # GPU: 8 per process; CPU clusters: the ranks' threads
+    memory: Optional[str] = None  # GPU: 16Gi per process + the planner's host peak; CPU: 4Gi
     # shared storage: PersistentVolumeClaims mounted at these paths; run.dir lives on output
+    # (ReadWriteMany for multi-node jobs); model and data are mounted read-only (ReadOnlyMany)
     output_claim: Optional[str] = None
     output_path: str = "/outputs"
     model_claim: Optional[str] = None

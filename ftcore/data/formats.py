@@ -3,7 +3,8 @@
 The first record of each training source is read (nothing is tokenized) and its keys choose:
 `chosen` + `rejected` -> preference (TRL's preference format, data/preference.py), `messages` ->
 chat, `prompt` + `completion` -> prompt_completion (TRL's prompt-completion format),
-`instruction` + `output` -> instruction, `text` -> text. A file whose first record has none of
+`instruction` + `output` -> instruction, `text` -> text, `prompt` alone -> prompt (TRL's
+prompt-only format, objective=grpo's data: data/prompt_set.py). A file whose first record has none of
 these is refused with the accepted shapes listed. An explicit `data.format` (or a mix
 entry's own `format`) is used as given; a later record of another shape is a bad record
 (`data.on_bad_record`).
@@ -24,6 +25,7 @@ SHAPES = (
     ("prompt_completion", ("prompt", "completion"), '{"prompt": ..., "completion": ...}'),
     ("instruction", ("instruction", "output"), '{"instruction": ..., "output": ...}'),
     ("text", ("text",), '{"text": ...}'),
+    ("prompt", ("prompt",), '{"prompt": ...} (objective=grpo)'),
 )
 ACCEPTED = "; ".join(f"{fmt} {shape}" for fmt, _, shape in SHAPES)
 
@@ -53,7 +55,7 @@ def detect_source(path: str, field: str = "data.path") -> str:
                 f"{where}: the record ({keys}) has none of the shapes ftcore reads: {ACCEPTED}",
                 field=field,
                 fix="write the records in one of these shapes, or name the format with "
-                "data.format=instruction|chat|prompt_completion|text|preference",
+                "data.format=instruction|chat|prompt_completion|text|preference|prompt",
             )
         return fmt
     return "instruction"  # nothing readable: the tokenizer's pass reports each record
@@ -77,9 +79,9 @@ def resolve(cfg, say: bool = True, kind: str = "train") -> None:
                 chosen.append(f"{m.path}: {m.format}")
         d.format = d.mix[0].format
     else:
-        pairs = (cfg.get("objective") or {}).get("name") == "dpo"  # the bundled pairs, then
-        split = "val" if kind == "eval" else "train"
-        name = f"preference_{split}" if pairs else split  # pipeline.bundled_data
+        objective = (cfg.get("objective") or {}).get("name")  # its bundled sample (bundled_data)
+        split = "val" if kind == "eval" else "train"  # eval reads the validation file
+        name = {"dpo": f"preference_{split}", "grpo": f"prompts_{split}"}.get(objective, split)
         path = (
             d.path
             or (kind == "eval" and d.val_path)
@@ -120,3 +122,21 @@ def check_preference(cfg) -> None:
     if d.train_on_prompt:
         raise FtcoreError("preference losses count completion tokens only",
                           field="data.train_on_prompt", fix="data.train_on_prompt=false")  # fmt: skip
+
+
+def check_prompts(cfg) -> None:
+    """Prompt-only records go with objective=grpo, and it with them (one source: data.path)."""
+    d = cfg.data
+    objective = (cfg.get("objective") or {}).get("name")
+    if objective != "grpo":
+        if d.format == "prompt" or any(m.get("format") == "prompt" for m in d.mix or []):
+            raise FtcoreError(f"prompt-only records have nothing to learn from under objective={objective}",
+                              field="data.format", fix="objective=grpo (with rewards), or records "
+                              "with answers (data.format=instruction|chat|prompt_completion)")  # fmt: skip
+        return
+    if d.mix:
+        raise FtcoreError("objective=grpo reads one prompt source", field="data.mix",
+                          fix="data.path=PROMPTS.jsonl (the records of several files in one)")  # fmt: skip
+    if d.format not in ("auto", "prompt"):
+        raise FtcoreError(f"objective=grpo samples completions for prompts, not {d.format} records",
+                          field="data.format", fix='data.format=prompt (records {"prompt": ...})')  # fmt: skip

@@ -44,7 +44,7 @@ class MicroBatch:
     pair_side: torch.Tensor | None = None  # int64 [b, width]
     num_pairs: int = 0
     # the sample ids (positions in the data's pair table) of pairs 0 ... num_pairs-1: what a
-    # stored reference log-prob is keyed by (objective.precompute_ref, training/ref_store.py)
+    # stored reference log-prob is keyed by (objective.precompute_ref, training/objectives/dpo/ref_store.py)
     pair_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):

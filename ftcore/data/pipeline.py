@@ -43,8 +43,9 @@ log = logging.getLogger("ftcore")
 
 
 def bundled_data(split: str, fmt: str | None = None) -> str:
-    """The bundled sample of a split: instruction records, or preference pairs for that format."""
-    name = f"preference_{split}" if fmt == "preference" else split
+    """The bundled sample of a split: instruction records, or preference pairs or prompts for
+    those formats."""
+    name = {"preference": f"preference_{split}", "prompt": f"prompts_{split}"}.get(fmt, split)
     return str(assets_dir() / "data" / f"{name}.jsonl")
 
 

@@ -52,7 +52,7 @@ PROBES = (
         {"role": "assistant", "content": "It is 8."},
     ],
 )
-FORMATS = ("instruction", "chat", "prompt_completion", "text", "preference")
+FORMATS = ("instruction", "chat", "prompt_completion", "text", "preference", "prompt")
 
 
 class BadRecord(ValueError):
@@ -175,7 +175,11 @@ class Renderer:
             )
         self.tok, self.fmt, self.train_on_prompt = tokenizer, fmt, train_on_prompt
         self.template = None
-        if fmt in ("prompt_completion", "preference"):  # strings need no template; lists do
+        if fmt in (
+            "prompt_completion",
+            "preference",
+            "prompt",
+        ):  # strings need no template; lists do
             try:
                 self.template = resolve_template(tokenizer, template)
             except FtcoreError:

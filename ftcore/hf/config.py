@@ -1,10 +1,11 @@
 """Hugging Face `config.json` <-> the `model` config section.
 
 Reading fills cfg.model from a local HF directory (family, shapes, GQA, head dim, vocab, rope theta
-and all four llama3 rope_scaling fields, rms eps, tied embeddings) and refuses what ftcore cannot
-represent exactly (other architectures, MoE routing other than Qwen3-MoE's and Mixtral's:
-ftcore/hf/moe_config.py, other activations or rope types, sliding-window
-attention that is on for the training length). The families are ftcore/config/families.py. Both the
+and all four llama3 rope_scaling fields, rms eps, tied embeddings; DeepSeek-V3's latent attention
+with its YaRN scaling and GLM-4.5's partial rotary, biases and q/k norms: docs/deepseek.md) and
+refuses what ftcore cannot represent exactly (other architectures, MoE routing megatron computes
+otherwise: ftcore/hf/moe_config.py, other activations or rope types, sliding-window attention that
+is on for the training length). The families are ftcore/config/families.py. Both the
 transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`) spellings are read;
 export writes the 4.x spelling, which every version reads.
 """
@@ -17,11 +18,16 @@ from omegaconf import DictConfig
 
 from ftcore.config.families import BY_ARCHITECTURE, BY_MODEL_TYPE, FAMILIES, Family
 from ftcore.errors import FtcoreError
+from ftcore.hf import fp8
 from ftcore.hf.moe_config import check_moe_keys, moe_export_keys, moe_fields
+from ftcore.hf.moe_config import value as hf_value
 from ftcore.runtime import safe_files
 
 ARCHITECTURES = tuple(BY_ARCHITECTURE)
 ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+YARN_FIELDS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+               "mscale_all_dim")  # fmt: skip
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def hf_dir(path: str, field: str = "model.hf_path") -> Path:
@@ -65,20 +71,46 @@ def _check_supported(hf: dict, f: Path, field: str) -> None:
             f"and shapes are mapped for {', '.join(ARCHITECTURES)} only",
             field=field, fix="use a dense checkpoint of one of those architectures",
         )  # fmt: skip
+    fp8.block_of(hf, str(f))  # another quantization is refused naming its key
     bad = []
     if hf.get("hidden_act", "silu") != "silu":
         bad.append(f"hidden_act={hf['hidden_act']}")
     for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            bad.append(f"{key}=true")
+        if hf.get(key) and not (key == "attention_bias" and fam.name == "glm4_moe"):
+            bad.append(f"{key}=true")  # GLM-4.5's: q/k/v biases, as megatron's add_qkv_bias
     rope = rope_scaling(hf)
-    if rope is not None and rope.get("rope_type", rope.get("type")) not in ("llama3",):
-        bad.append(f"rope_type={rope.get('rope_type', rope.get('type'))}")
-    if float(_rope_params(hf).get("partial_rotary_factor", 1.0)) != 1.0:
+    kind = None if rope is None else rope.get("rope_type", rope.get("type"))
+    if kind is not None and kind != ("yarn" if fam.mla else "llama3"):
+        bad.append(f"rope_type={kind}")  # YaRN: megatron's MLA only; llama3: ftcore's rope.py
+    if kind == "yarn":
+        bad += _yarn_refused(rope)
+    if partial_rotary(hf, fam.name) != 1.0 and fam.name != "glm4_moe":
         bad.append("partial_rotary_factor != 1")
+    if fam.mla and not hf_value(hf, fam.name, "rope_interleave"):
+        bad.append("rope_interleave=false (megatron's MLA rotates interleaved pairs)")
     if bad:
         raise FtcoreError(f"{f}: unsupported {fam.architecture} variant ({', '.join(bad)})", field=field,
                           fix="ftcore maps SwiGLU, the family's own biases, default or llama3 RoPE")  # fmt: skip
+
+
+def _yarn_refused(rope: dict) -> list[str]:
+    """What of a YaRN dict megatron's YarnRotaryEmbedding computes otherwise than transformers."""
+    bad = [f"rope_scaling.{k}" for k in ("attention_factor",) if rope.get(k) is not None]
+    if rope.get("truncate", True) is False:
+        bad.append("rope_scaling.truncate=false")
+    if rope.get("mscale_all_dim") and not rope.get("mscale"):
+        bad.append("rope_scaling.mscale_all_dim without mscale")
+    if rope.get("factor") is None or rope.get("original_max_position_embeddings") is None:
+        bad.append("rope_scaling without factor and original_max_position_embeddings")
+    return bad
+
+
+def partial_rotary(hf: dict, family: str | None = None) -> float:
+    """The share of the head dim RoPE rotates (GLM-4.5: 0.5; top level or in rope_parameters)."""
+    v = _rope_params(hf).get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if v is None:
+        v = hf_value(hf, family, "partial_rotary_factor")
+    return float(1.0 if v is None else v)
 
 
 def check_sliding_window(hf: dict, f: Path | str, seq_len: int | None) -> None:
@@ -121,7 +153,8 @@ def rope_theta(hf: dict) -> float:
 
 
 def rope_scaling(hf: dict) -> dict | None:
-    """The llama3 scaling dict, or None for plain RoPE (4.x `rope_scaling` or 5.x `rope_parameters`)."""
+    """The llama3/yarn scaling dict, or None for plain RoPE (4.x `rope_scaling` or 5.x
+    `rope_parameters`)."""
     r = hf.get("rope_scaling") or _rope_params(hf)
     if not r or r.get("rope_type", r.get("type", "default")) == "default":
         return None
@@ -154,19 +187,51 @@ def model_fields(hf: dict, f: str = "config.json") -> dict:
             fix="restore config.json from the model's original files",
         ) from e  # fmt: skip
     out.update(moe_fields(hf, out["family"], out["num_layers"]))
-    scaling = rope_scaling(hf)
-    if scaling is not None:
-        missing = [k for k in ROPE_FIELDS if k not in scaling]
-        if missing:
-            raise FtcoreError(
-                f"{f}: llama3 rope scaling lacks {', '.join(missing)}",
-                field="model.hf_path",
-                fix="restore config.json's rope_scaling from the model's original files",
-            )
-        out["rope_scaling"] = {k: scaling[k] for k in ROPE_FIELDS}
-    else:
-        out["rope_scaling"] = None
+    out.update(_attention_fields(hf, out["family"]))
+    out["rope_scaling"] = _scaling_fields(rope_scaling(hf), f)
+    out["fp8_block"] = fp8.block_of(hf, f)  # FP8 weights with block scales (hf/fp8.py)
     return out
+
+
+def _attention_fields(hf: dict, family: str) -> dict:
+    """MLA's shapes (DeepSeek-V3), GLM-4.5's partial rotary, biases and q/k norms, and the count of
+    multi-token-prediction layers (carried into the export, not built)."""
+    out: dict = {"rotary_percent": partial_rotary(hf, family),
+                 "mtp_layers": int(hf.get("num_nextn_predict_layers") or 0),
+                 "qkv_bias": None, "qk_layernorm": None, **dict.fromkeys(MLA_FIELDS)}  # fmt: skip
+    if FAMILIES[family].mla:
+        mla = {k: hf_value(hf, family, k) for k in MLA_FIELDS}
+        out.update({k: None if v is None else int(v) for k, v in mla.items()})
+        out["kv_channels"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]  # q and k heads
+        out["num_query_groups"] = int(hf["num_attention_heads"])  # MLA: one k/v per head
+    if family == "glm4_moe":
+        out["qkv_bias"] = bool(hf_value(hf, family, "attention_bias"))
+        out["qk_layernorm"] = bool(hf_value(hf, family, "use_qk_norm"))
+    return out
+
+
+def _scaling_fields(scaling: dict | None, f: str) -> dict | None:
+    """model.rope_scaling from config.json's llama3 or yarn dict (yarn: transformers' concentration
+    mscale(f, mscale) / mscale(f, mscale_all_dim) when both are set, else mscale(f, 1), which
+    megatron computes from mscale 1 and mscale_all_dim 0)."""
+    if scaling is None:
+        return None
+    if scaling.get("rope_type", scaling.get("type")) == "yarn":
+        both = bool(scaling.get("mscale")) and bool(scaling.get("mscale_all_dim"))
+        return {"rope_type": "yarn", "factor": float(scaling["factor"]),
+                "original_max_position_embeddings": int(scaling["original_max_position_embeddings"]),
+                "beta_fast": float(scaling.get("beta_fast") or 32),
+                "beta_slow": float(scaling.get("beta_slow") or 1),
+                "mscale": float(scaling["mscale"]) if both else 1.0,
+                "mscale_all_dim": float(scaling["mscale_all_dim"]) if both else 0.0}  # fmt: skip
+    missing = [k for k in ROPE_FIELDS if k not in scaling]
+    if missing:
+        raise FtcoreError(
+            f"{f}: llama3 rope scaling lacks {', '.join(missing)}",
+            field="model.hf_path",
+            fix="restore config.json's rope_scaling from the model's original files",
+        )
+    return {k: scaling[k] for k in ROPE_FIELDS}
 
 
 def merge_hf_config(cfg: DictConfig) -> DictConfig:
@@ -184,6 +249,33 @@ def merge_hf_config(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+def _scaling_export(r) -> dict | None:
+    if r is None:
+        return None
+    if r.get("rope_type", "llama3") == "yarn":
+        return {"rope_type": "yarn", **{k: r[k] for k in YARN_FIELDS}}
+    return {"rope_type": "llama3", **{k: r[k] for k in ROPE_FIELDS}}
+
+
+def _attention_export(m) -> dict:
+    """config.json keys of MLA (DeepSeek-V3) and GLM-4.5's attention, as published."""
+    from ftcore.config.families import family
+
+    f = family(m)
+    out: dict = {}
+    if f.name in ("deepseek_v3", "glm4_moe"):
+        out["num_nextn_predict_layers"] = int(m.get("mtp_layers") or 0)
+    if f.mla:
+        out.update({k: (None if m[k] is None else int(m[k])) for k in MLA_FIELDS})
+        # transformers' DeepseekV3Config writes head_dim = qk_rope_head_dim (the rotary width)
+        out.update({"head_dim": int(m.qk_rope_head_dim), "rope_interleave": True,
+                    "attention_bias": False, "num_key_value_heads": m.num_attention_heads})  # fmt: skip
+    if f.name == "glm4_moe":
+        out.update({"attention_bias": bool(f.qkv_bias), "use_qk_norm": bool(f.qk_layernorm),
+                    "partial_rotary_factor": float(m.get("rotary_percent") or 1.0)})  # fmt: skip
+    return out
+
+
 def hf_config_dict(model_cfg, *, dtype: str, tokenizer=None) -> dict:
     """config.json for an exported model: the source's own config (token ids etc.) when there is one,
     with every field ftcore determines written from cfg.model."""
@@ -198,6 +290,7 @@ def hf_config_dict(model_cfg, *, dtype: str, tokenizer=None) -> dict:
         except FtcoreError:
             base = {}
     for key in (
+        "quantization_config",  # written for an FP8 export only (hf_config_dict's caller)
         "num_experts",  # MoE: moe_export_keys writes the published spelling
         "num_local_experts",
         "rope_parameters",
@@ -232,10 +325,10 @@ def hf_config_dict(model_cfg, *, dtype: str, tokenizer=None) -> dict:
         "rms_norm_eps": m.norm_eps,
         "tie_word_embeddings": bool(m.tie_embeddings),
         "rope_theta": float(m.rope_theta),
-        "rope_scaling": None if m.rope_scaling is None else
-        {"rope_type": "llama3", **{k: m.rope_scaling[k] for k in ROPE_FIELDS}},
+        "rope_scaling": _scaling_export(m.rope_scaling),
         "torch_dtype": dtype,
         **moe_export_keys(m),
+        **_attention_export(m),
     })  # fmt: skip
     if fam.name == "mixtral" and m.get("num_experts"):  # one size for every expert, no dense MLP
         base["intermediate_size"] = m.moe_ffn_hidden_size

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ftcore.hf import mappings
+from ftcore.hf import carried, fp8, mappings
 from ftcore.hf.config import hf_config_dict
 from ftcore.hf.io import INDEX, StreamWriter
 from ftcore.models.sharding import is_expert
@@ -41,22 +41,33 @@ class ShardFile:
     nbytes: int = 0
 
 
+def _entries(name: str, shape: tuple, dtype: torch.dtype, block) -> list[tuple]:
+    """What export writes for one HF tensor: the router's expert bias in fp32 (as transformers
+    keeps it), an FP8 weight with its scales (`block`: export.dtype=fp8), else `dtype`."""
+    if name.endswith("e_score_correction_bias"):
+        return [(name, torch.float32, tuple(shape))]
+    return fp8.export_entries(name, shape, dtype, block)
+
+
 def plan_files(s: mappings.Shapes, dtype: torch.dtype, owner: Callable[[str], int],
-               max_bytes: float) -> list[ShardFile]:  # fmt: skip
-    """HF tensors in order, cut into files at max_bytes and wherever the writing rank changes."""
+               max_bytes: float, extra=(), block=None) -> list[ShardFile]:  # fmt: skip
+    """HF tensors in order, cut into files at max_bytes and wherever the writing rank changes;
+    then `extra` (name, dtype, shape), written by rank 0 (hf/carried.py: MTP layers). `block`:
+    the FP8 block of an FP8 export (an FP8 weight and its scales share a file)."""
     files: list[ShardFile] = []
-    size = torch.empty((), dtype=dtype).element_size()
-    for name in mappings.hf_names(s):
-        shape = mappings.hf_shape(name, s)
-        n = torch.Size(shape).numel() * size
-        who = owner(name)
+    planned = [(_entries(n, mappings.hf_shape(n, s), dtype, block), owner(n))
+               for n in mappings.hf_names(s)]  # fmt: skip
+    for group, who in planned + [([e], 0) for e in extra]:
+        n = sum(
+            torch.Size(sh).numel() * torch.empty((), dtype=d).element_size() for _, d, sh in group
+        )
         if (
             not files
             or files[-1].owner != who
             or (files[-1].entries and files[-1].nbytes + n > max_bytes)
         ):
             files.append(ShardFile("", who))
-        files[-1].entries.append((name, dtype, shape))
+        files[-1].entries += group
         files[-1].nbytes += n
     for k, f in enumerate(files):
         f.name = (
@@ -75,8 +86,10 @@ def write_index(out: Path, files: list[ShardFile]) -> None:
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def write_metadata(out: Path, model_cfg, dtype: torch.dtype, tokenizer_dir: str | None) -> None:
-    """config.json, the tokenizer (with its chat template) and the source's generation config."""
+def write_metadata(out: Path, model_cfg, dtype: torch.dtype, tokenizer_dir: str | None,
+                   block=None) -> None:  # fmt: skip
+    """config.json (with `block`: an FP8 export's quantization_config), the tokenizer (with its
+    chat template) and the source's generation config."""
     tok = None
     if tokenizer_dir:
         from ftcore.data.tokenizer import from_directory
@@ -84,6 +97,8 @@ def write_metadata(out: Path, model_cfg, dtype: torch.dtype, tokenizer_dir: str 
         tok = from_directory(tokenizer_dir, "export.checkpoint")  # a directory, never the Hub
         tok.save_pretrained(str(out))
     cfg = hf_config_dict(model_cfg, dtype=DTYPE_JSON[dtype], tokenizer=tok)
+    if block is not None:
+        cfg.update(fp8.config_keys(block))
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     src = model_cfg.get("hf_path")
     if src and (Path(src) / "generation_config.json").is_file():  # checked JSON, from inside src
@@ -94,8 +109,10 @@ def write_metadata(out: Path, model_cfg, dtype: torch.dtype, tokenizer_dir: str 
 
 
 def write_tensors(out: Path, files: list[ShardFile], mine: Iterable[tuple[str, torch.Tensor]],
-                  s: mappings.Shapes, rank: int, transform: Transform | None = None) -> None:  # fmt: skip
-    """Write this rank's files from (global name, full megatron tensor) pairs, one at a time."""
+                  s: mappings.Shapes, rank: int, transform: Transform | None = None,
+                  carried: Iterable[tuple[str, torch.Tensor]] = (), block=None) -> None:  # fmt: skip
+    """Write this rank's files from (global name, full megatron tensor) pairs, one at a time, then
+    the `carried` HF tensors as they are (rank 0: hf/carried.py)."""
     where = {name: f for f in files for name, _, _ in f.entries}
     writers = {f.name: StreamWriter(out / f.name, f.entries) for f in files if f.owner == rank}
     try:
@@ -104,14 +121,30 @@ def write_tensors(out: Path, files: list[ShardFile], mine: Iterable[tuple[str, t
                 full = transform(name, full)
             mp = mappings.resolve(name, s.tie, s)
             for hf, t in mappings.to_hf(mp, full, s).items():
-                writers[where[hf].name].add(hf, t)
+                w = writers[where[hf].name]
+                if hf + fp8.SCALE in where:  # an FP8 export: the weight and its block scales
+                    q, scale = fp8.quantize(t, block)
+                    w.add(hf + fp8.SCALE, scale)
+                    t = q
+                w.add(hf, t)
             del full
+        for hf, t in carried:
+            writers[where[hf].name].add(hf, t)
         for w in writers.values():
             w.close()
     finally:
         for w in writers.values():
             if not w.f.closed:
                 w.f.close()
+
+
+def export_format(name: str | None, model_cfg, default: torch.dtype):
+    """(dtype, FP8 block or None) of export.dtype: fp32/bf16/fp16, or fp8 (DeepSeek's block format:
+    FP8 weights with block scales, the rest bf16; the source's block, else 128 x 128); unset: the
+    weights' own dtype."""
+    if name == "fp8":
+        return torch.bfloat16, list(model_cfg.get("fp8_block") or fp8.DEFAULT_BLOCK)
+    return (DTYPES[name] if name else default), None
 
 
 def exported_names(names: Iterable[str], tie: bool) -> list[str]:
@@ -146,7 +179,7 @@ def write_hf_model(
     from megatron.core import parallel_state as ps
 
     from ftcore.data.tokenizer import tokenizer_source
-    from ftcore.models.sharding import iter_params, join_shards, shard_info
+    from ftcore.models.sharding import iter_weights, join_shards, shard_info
     from ftcore.runtime import collectives
     from ftcore.runtime import dist as rdist
 
@@ -155,9 +188,9 @@ def write_hf_model(
     tmp = out.with_name("." + out.name + ".tmp")
     rank = dist.get_rank() if dist.is_initialized() else 0
     s = mappings.Shapes.from_cfg(cfg.model)
-    params = [(n, p) for n, p in iter_params(state.model)]
+    params = [(n, p) for n, p in iter_weights(state.model)]
     names = exported_names([n for n, _ in params], s.tie)
-    dtype = DTYPES[cfg.export.dtype] if cfg.export.get("dtype") else params[0][1].dtype
+    dtype, block = export_format(cfg.export.get("dtype"), cfg.model, params[0][1].dtype)
     tp, etp = ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
     ranks = (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(with_context_parallel=True),
              ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank())  # fmt: skip
@@ -167,7 +200,10 @@ def write_hf_model(
         gathered = [None] * dist.get_world_size()
         collectives.all_gather_object(gathered, produced)
     owners = {h: r for r, hs in enumerate(gathered) for h in hs}
-    files = plan_files(s, dtype, lambda h: owners[h], cfg.export.max_shard_gb * 1e9)
+    origin = carried.source(cfg.model)  # every rank plans the same files from the same headers
+    kept = carried.carried_names(origin, s.layers, block)
+    files = plan_files(s, dtype, lambda h: owners[h], cfg.export.max_shard_gb * 1e9,
+                       carried.entries(origin, kept, dtype, block), block)  # fmt: skip
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -190,11 +226,12 @@ def write_hf_model(
             if _writes(name, ranks):
                 yield name, data
 
-    write_tensors(tmp, files, full_tensors(), s, rank, transform)  # no files: only the gathers
+    copies = ((n, carried.read(origin, n, block)) for n in kept) if rank == 0 else ()
+    write_tensors(tmp, files, full_tensors(), s, rank, transform, copies, block)  # else: gathers
     _barrier()
     if rank == 0:
         src, _ = tokenizer_source(cfg)
-        write_metadata(tmp, cfg.model, dtype, src)
+        write_metadata(tmp, cfg.model, dtype, src, block)
         write_index(tmp, files)
         _finish_dir(tmp, out)
         log.info("wrote %s (%d safetensors files)", out, len(files))
@@ -226,35 +263,55 @@ def export_checkpoint(step_dir: str | Path, run_cfg, out: str | Path, *, dtype: 
         raise FtcoreError(f"{step_dir} lacks {missing[0]} (and {len(missing) - 1} more) for the model in "
                           "its config.yaml", field="export.checkpoint",
                           fix="export a checkpoint of this run (or its run.dir's config.yaml unchanged)")  # fmt: skip
-    torch_dtype = DTYPES[dtype] if dtype else reader.meta(names[0])[1]
-    files = plan_files(s, torch_dtype, lambda h: 0, max_shard_gb * 1e9)
+    torch_dtype, block = export_format(dtype, run_cfg.model, reader.meta(names[0])[1])
+    origin = carried.source(run_cfg.model)
+    kept = carried.carried_names(origin, s.layers, block)
+    files = plan_files(s, torch_dtype, lambda h: 0, max_shard_gb * 1e9,
+                       carried.entries(origin, kept, torch_dtype, block), block)  # fmt: skip
     out = Path(out)
     tmp = out.with_name("." + out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    write_tensors(tmp, files, ((n, reader.read(n)) for n in names), s, 0, transform)
+    write_tensors(tmp, files, ((n, reader.read(n)) for n in names), s, 0, transform,
+                  ((n, carried.read(origin, n, block)) for n in kept), block)  # fmt: skip
     src, _ = tokenizer_source(run_cfg)
-    write_metadata(tmp, run_cfg.model, torch_dtype, src)
+    write_metadata(tmp, run_cfg.model, torch_dtype, src, block)
     write_index(tmp, files)
     _finish_dir(tmp, out)
     log.info("exported %s -> %s (%d safetensors files)", step_dir, out, len(files))
     return out
 
 
+def _attention_names(s: mappings.Shapes, a: str) -> list[str]:
+    """A layer's attention parameters (local-spec names) under prefix `a`."""
+    if s.mla:
+        q = (
+            ["linear_q_down_proj", "q_layernorm", "linear_q_up_proj"]
+            if s.q_lora
+            else ["linear_q_proj"]
+        )
+        q += ["linear_kv_down_proj", "kv_layernorm", "linear_kv_up_proj"]
+        return [a + x + ".weight" for x in q]
+    names = [a + "linear_qkv.weight"] + ([a + "linear_qkv.bias"] if s.qkv_bias else [])
+    return names + ([a + "q_layernorm.weight", a + "k_layernorm.weight"] if s.qk_norm else [])
+
+
 def _global_names(s: mappings.Shapes) -> list[str]:
-    """Every megatron parameter of the model (local-spec names), in model order."""
+    """Every megatron parameter of the model (local-spec names; the router's expert bias, a
+    buffer, too), in model order."""
     names = ["embedding.word_embeddings.weight"]
     for i in range(s.layers):
         p, a = f"decoder.layers.{i}.", f"decoder.layers.{i}.self_attention."
-        names += [p + "input_layernorm.weight", a + "linear_qkv.weight"]
-        names += [a + "linear_qkv.bias"] if s.qkv_bias else []
-        names += [a + "q_layernorm.weight", a + "k_layernorm.weight"] if s.qk_norm else []
+        names += [p + "input_layernorm.weight", *_attention_names(s, a)]
         names += [a + "linear_proj.weight", p + "pre_mlp_layernorm.weight"]
         if s.sparse(i):  # a MoE layer: its router and every expert, by global index
             x = p + "mlp.experts.local_experts."
             names.append(p + "mlp.router.weight")
+            names += [p + "mlp.router.expert_bias"] if s.expert_bias else []
             for e in range(s.experts):
                 names += [f"{x}{e}.linear_fc1.weight", f"{x}{e}.linear_fc2.weight"]
+            if s.shared_ffn:
+                names += [p + f"mlp.shared_experts.linear_fc{k}.weight" for k in (1, 2)]
         else:
             names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
     return names + ["decoder.final_layernorm.weight", "output_layer.weight"]

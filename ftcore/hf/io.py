@@ -20,13 +20,14 @@ import torch
 from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
-from ftcore.hf import fused_experts, mappings
+from ftcore.hf import fp8, fused_experts, mappings
 from ftcore.precision import delayed
 from ftcore.runtime import safe_files
 
 log = logging.getLogger("ftcore")
 INDEX = "model.safetensors.index.json"
-DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+          "F8_E4M3": torch.float8_e4m3fn}  # fmt: skip
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100_000_000  # bytes: safetensors' own bound on a header (100 MB)
 
@@ -62,8 +63,10 @@ def _header(path: Path, field: str, wanted: str | None = None) -> dict:
 class SafetensorsDir:
     """The tensors of a local HF directory: name -> (file, dtype, shape), from the index or headers."""
 
-    def __init__(self, path: str | Path, field: str = "model.hf_path"):
-        self.root, self.field = Path(path), field
+    def __init__(self, path: str | Path, field: str = "model.hf_path", fp8_block=None):
+        """`fp8_block`: the checkpoint's FP8 block (quantization_config.weight_block_size): a
+        tensor with a `<name>_scale_inv` beside it is read dequantized (hf/fp8.py)."""
+        self.root, self.field, self.fp8_block = Path(path), field, fp8_block
         index = self.root / INDEX
         self.files: dict[str, Path] = {}
         self._headers: dict[Path, dict] = {}
@@ -125,7 +128,31 @@ class SafetensorsDir:
             self.check_shape(name, mappings.hf_shape(name, shapes))
 
     def read(self, piece: mappings.Piece) -> torch.Tensor:
-        """Only the rows/columns of `piece`, copied out of the memory-mapped file."""
+        """Only the rows/columns of `piece`, copied out of the memory-mapped file; an FP8 weight
+        dequantized to fp32 from the scale blocks that cover just those (hf/fp8.py)."""
+        scale = piece.hf + fp8.SCALE if piece.hf else None
+        if scale in self.files and piece.expert is None:
+            return self._dequantized(piece, scale)
+        return self._read(piece)
+
+    def _dequantized(self, piece: mappings.Piece, scale: str) -> torch.Tensor:
+        if self.fp8_block is None:
+            raise FtcoreError(f"{piece.hf} has {scale} but config.json no quantization_config",
+                              field=self.field, fix="restore config.json from the model's "
+                              "original files")  # fmt: skip
+        _, meta = self.entry(piece.hf)
+        rows, cols = meta["shape"][0], meta["shape"][1] if len(meta["shape"]) > 1 else 1
+        r, c = piece.rows or (0, rows), piece.cols or (0, cols)
+        sr, sc = fp8.scale_span(r, c, self.fp8_block)
+        q = self._read(mappings.Piece(piece.hf, r, piece.cols))
+        s = self._read(mappings.Piece(scale, sr, sc))
+        return fp8.dequantize(q, s, self.fp8_block, r[0], c[0])
+
+    def raw(self, piece: mappings.Piece) -> torch.Tensor:
+        """The rows/columns of `piece` as stored (an FP8 weight not dequantized)."""
+        return self._read(piece)
+
+    def _read(self, piece: mappings.Piece) -> torch.Tensor:
         from safetensors import SafetensorError
 
         path, _ = self.entry(piece.hf)
@@ -206,14 +233,14 @@ def load_weights(cfg: DictConfig, chunks: list) -> None:
     (models/nf4.py), so a rank holds the NF4 base and one full-precision shard at a time."""
     from megatron.core import parallel_state as ps
 
-    from ftcore.models.sharding import is_expert, iter_params, shard_info, tp_of
+    from ftcore.models.sharding import is_expert, iter_weights, shard_info, tp_of
 
     root, field = weights_source(cfg)
-    st = SafetensorsDir(root, field)
+    st = SafetensorsDir(root, field, cfg.model.get("fp8_block"))
     shapes = mappings.Shapes.from_cfg(cfg.model)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     st.check_all(shapes)
-    for name, p in list(iter_params(chunks)):  # a list: QLoRA's take_whole swaps parameters
+    for name, p in list(iter_weights(chunks)):  # a list: QLoRA's take_whole swaps parameters
         mp = mappings.resolve(name, shapes.tie, shapes)
         if mp is None:
             raise FtcoreError(f"parameter {name} has no Hugging Face counterpart", field=field,

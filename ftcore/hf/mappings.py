@@ -9,7 +9,15 @@ models/sharding.py), the HF tensors it is made of and how:
 - `qkv`:    megatron's fused `linear_qkv` (weight or bias), laid out per query group:
             [q heads of group 0, k of group 0, v of group 0, q heads of group 1, ...];
 - `glu`:    megatron's `linear_fc1` = [gate; up] (TP shards each half separately); `expert_glu`
-            the same for one expert (its own width, moe_ffn, sharded over ETP).
+            the same for one expert (its own width, moe_ffn, sharded over ETP); `shared_glu` for
+            the shared experts (their total width, sharded over TP like a dense MLP).
+Multi-head latent attention (DeepSeek-V3) maps one to one (`direct`): q_a/q_b (or q_proj),
+kv_a_proj_with_mqa, kv_b_proj and o_proj are megatron's linear_q_down/up, linear_kv_down/up and
+linear_proj, each split over TP by its own rows (columns for o_proj) as megatron splits it; the
+latent norms are the local spec's q/kv_layernorm or TE's fused layer_norm_weight. The rotary rows
+need no reordering: transformers' rope_interleave and megatron's MLA rotate the same pairs.
+The expert bias `mlp.gate.e_score_correction_bias` is megatron's `mlp.router.expert_bias`, a
+buffer (models/sharding.py iter_weights).
 Mixture of experts: `{e}` is the global expert index (models/sharding.py names local experts by
 it), and the HF names are the family's (EXPERT_NAMES: Qwen3-MoE `mlp.gate` / `mlp.experts.E.
 {gate,up,down}_proj`, Mixtral `block_sparse_moe.gate` / `experts.E.{w1,w3,w2}`), the published
@@ -35,7 +43,7 @@ L = "model.layers.{i}."
 class Rule:
     pattern: str  # ftcore global name; {i} = global layer index
     hf: tuple[str, ...]  # HF tensor names, in fused order
-    kind: str  # direct | vocab | qkv | glu
+    kind: str  # direct | vocab | qkv | glu | expert_glu | shared_glu
 
 
 RULES = (
@@ -47,7 +55,7 @@ RULES = (
          (L + "self_attn.q_proj.weight", L + "self_attn.k_proj.weight", L + "self_attn.v_proj.weight"), "qkv"),
     Rule("decoder.layers.{i}.self_attention.linear_qkv.bias",
          (L + "self_attn.q_proj.bias", L + "self_attn.k_proj.bias", L + "self_attn.v_proj.bias"), "qkv"),
-    Rule("decoder.layers.{i}.self_attention.q_layernorm.weight", (L + "self_attn.q_norm.weight",), "direct"),
+    Rule("decoder.layers.{i}.self_attention.q_layernorm.weight", (L + "{qnorm}",), "direct"),
     Rule("decoder.layers.{i}.self_attention.k_layernorm.weight", (L + "self_attn.k_norm.weight",), "direct"),
     Rule("decoder.layers.{i}.self_attention.linear_proj.weight", (L + "self_attn.o_proj.weight",), "direct"),
     Rule("decoder.layers.{i}.pre_mlp_layernorm.weight", (L + "post_attention_layernorm.weight",), "direct"),
@@ -55,6 +63,20 @@ RULES = (
     Rule("decoder.layers.{i}.mlp.linear_fc1.weight", (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"), "glu"),
     Rule("decoder.layers.{i}.mlp.linear_fc2.weight", (L + "mlp.down_proj.weight",), "direct"),
     Rule("decoder.layers.{i}.mlp.router.weight", (L + "{router}",), "direct"),
+    Rule("decoder.layers.{i}.mlp.router.expert_bias", (L + "mlp.gate.e_score_correction_bias",), "direct"),
+    Rule("decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight",
+         (L + "mlp.shared_experts.gate_proj.weight", L + "mlp.shared_experts.up_proj.weight"), "shared_glu"),
+    Rule("decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight", (L + "mlp.shared_experts.down_proj.weight",), "direct"),
+    # multi-head latent attention (DeepSeek-V3); the TE spec fuses the latent norms into the up
+    # projections
+    Rule("decoder.layers.{i}.self_attention.linear_q_proj.weight", (L + "self_attn.q_proj.weight",), "direct"),
+    Rule("decoder.layers.{i}.self_attention.linear_q_down_proj.weight", (L + "self_attn.q_a_proj.weight",), "direct"),
+    Rule("decoder.layers.{i}.self_attention.linear_q_up_proj.layer_norm_weight", (L + "self_attn.q_a_layernorm.weight",), "direct"),
+    Rule("decoder.layers.{i}.self_attention.linear_q_up_proj.weight", (L + "self_attn.q_b_proj.weight",), "direct"),
+    Rule("decoder.layers.{i}.self_attention.linear_kv_down_proj.weight", (L + "self_attn.kv_a_proj_with_mqa.weight",), "direct"),
+    Rule("decoder.layers.{i}.self_attention.kv_layernorm.weight", (L + "self_attn.kv_a_layernorm.weight",), "direct"),
+    Rule("decoder.layers.{i}.self_attention.linear_kv_up_proj.layer_norm_weight", (L + "self_attn.kv_a_layernorm.weight",), "direct"),
+    Rule("decoder.layers.{i}.self_attention.linear_kv_up_proj.weight", (L + "self_attn.kv_b_proj.weight",), "direct"),
     Rule("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight", (L + "{gate}", L + "{up}"), "expert_glu"),
     Rule("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight", (L + "{down}",), "direct"),
     Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "direct"),
@@ -92,22 +114,39 @@ class Shapes:
     moe_ffn: int = 0  # one expert's hidden width
     dense_layers: tuple[int, ...] = ()  # MoE: layers with the dense MLP
     family: str = "llama"  # model.family: the experts' HF names (EXPERT_NAMES)
+    shared_ffn: int = 0  # the shared experts' total width (0: none)
+    expert_bias: bool = False  # e_score_correction_bias in every MoE layer
+    mla: bool = False  # multi-head latent attention: the fields below; head_dim = nope + rope
+    q_lora: int = 0  # 0: one q_proj
+    kv_lora: int = 0
+    rope_dim: int = 0
+    v_dim: int = 0
+    mtp_layers: int = 0  # multi-token-prediction layers after the last (copied, not mapped)
 
     @classmethod
     def from_cfg(cls, m) -> Shapes:
         f = family(m)
         experts = int(m.get("num_experts") or 0)
         moe_ffn = int(m.get("moe_ffn_hidden_size") or m.ffn_hidden_size) if experts else 0
+        mla = {}
+        if f.mla:
+            mla = dict(mla=True, q_lora=int(m.q_lora_rank or 0), kv_lora=int(m.kv_lora_rank),
+                       rope_dim=int(m.qk_rope_head_dim), v_dim=int(m.v_head_dim))  # fmt: skip
         return cls(m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups,
                    m.kv_channels or m.hidden_size // m.num_attention_heads, m.vocab_size, m.num_layers,
                    bool(m.tie_embeddings), f.qkv_bias, f.qk_layernorm, experts, moe_ffn,
-                   tuple(int(i) for i in m.get("moe_dense_layers") or ()), f.name)  # fmt: skip
+                   tuple(int(i) for i in m.get("moe_dense_layers") or ()), f.name,
+                   int(m.get("moe_shared_expert_ffn_hidden_size") or 0) if experts else 0,
+                   bool(m.get("moe_router_expert_bias")) and experts > 0,
+                   mtp_layers=int(m.get("mtp_layers") or 0), **mla)  # fmt: skip
 
     def sparse(self, layer: int) -> bool:
         return self.experts > 0 and layer not in self.dense_layers
 
     def expert_names(self) -> dict[str, str]:
-        return EXPERT_NAMES.get(self.family, EXPERT_NAMES["qwen3_moe"])
+        names = EXPERT_NAMES.get(self.family, EXPERT_NAMES["qwen3_moe"])
+        return {**names, "qnorm": "self_attn.q_a_layernorm.weight" if self.mla
+                else "self_attn.q_norm.weight"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -133,13 +172,12 @@ class Piece:
 def resolve(name: str, tie: bool, s: Shapes | None = None) -> Mapped | None:
     """The rule for a megatron global parameter name, or None if no HF tensor maps to it (`s`
     names a MoE family's experts; default Qwen3-MoE's names)."""
-    names = s.expert_names() if s is not None else EXPERT_NAMES["qwen3_moe"]
+    names = (s or Shapes(0, 0, 1, 1, 0, 0, 0, False)).expert_names()
     for rx, rule in _COMPILED:
         m = rx.match(name)
         if m:
             g = m.groups()
-            hf = tuple(h.format(i=g[0], router=names["router"], gate=names["gate"], up=names["up"],
-                                down=names["down"]).format(e=g[1] if len(g) > 1 else 0) if g else h
+            hf = tuple(h.format(i=g[0], **names).format(e=g[1] if len(g) > 1 else 0) if g else h
                        for h in rule.hf)  # fmt: skip
             if rule.pattern == "output_layer.weight" and tie:
                 hf = (TIED_HEAD,)
@@ -149,6 +187,13 @@ def resolve(name: str, tie: bool, s: Shapes | None = None) -> Mapped | None:
 
 def hf_shape(hf_name: str, s: Shapes) -> tuple[int, ...]:
     """The full shape an HF tensor must have under cfg.model."""
+    if s.mla and ".self_attn." in hf_name:
+        return _mla_shape(hf_name, s)
+    if hf_name.endswith("e_score_correction_bias"):
+        return (s.experts,)
+    if ".shared_experts." in hf_name:
+        down = hf_name.endswith("down_proj.weight")
+        return (s.hidden, s.shared_ffn) if down else (s.shared_ffn, s.hidden)
     if hf_name.endswith(("q_norm.weight", "k_norm.weight")):
         return (s.head_dim,)
     if hf_name.endswith("norm.weight"):
@@ -175,24 +220,54 @@ def hf_shape(hf_name: str, s: Shapes) -> tuple[int, ...]:
     }[suffix]
 
 
+def _mla_shape(hf_name: str, s: Shapes) -> tuple[int, ...]:
+    """The attention tensors of MLA (head_dim: the q/k head, nope + rope)."""
+    suffix = hf_name.rsplit(".", 2)[-2]
+    return {
+        "q_proj": (s.heads * s.head_dim, s.hidden),
+        "q_a_proj": (s.q_lora, s.hidden),
+        "q_a_layernorm": (s.q_lora,),
+        "q_b_proj": (s.heads * s.head_dim, s.q_lora),
+        "kv_a_proj_with_mqa": (s.kv_lora + s.rope_dim, s.hidden),
+        "kv_a_layernorm": (s.kv_lora,),
+        "kv_b_proj": (s.heads * (s.head_dim - s.rope_dim + s.v_dim), s.kv_lora),
+        "o_proj": (s.hidden, s.heads * s.v_dim),
+    }[suffix]
+
+
+def attention_names(s: Shapes, p: str) -> list[str]:
+    """The attention tensors of layer prefix `p` (MLA's or q/k/v/o with the family's extras)."""
+    if s.mla:
+        q = ["q_a_proj", "q_a_layernorm", "q_b_proj"] if s.q_lora else ["q_proj"]
+        return [p + f"self_attn.{x}.weight"
+                for x in (*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")]  # fmt: skip
+    names = []
+    for x in ("q", "k", "v"):
+        names.append(p + f"self_attn.{x}_proj.weight")
+        if s.qkv_bias:
+            names.append(p + f"self_attn.{x}_proj.bias")
+    if s.qk_norm:
+        names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    return names + [p + "self_attn.o_proj.weight"]
+
+
 def hf_names(s: Shapes) -> list[str]:
     """Every HF tensor of the model, in the order export writes them."""
     names = ["model.embed_tokens.weight"]
     for i in range(s.layers):
         p = L.format(i=i)
-        names += [p + "input_layernorm.weight"]
-        for x in ("q", "k", "v"):
-            names.append(p + f"self_attn.{x}_proj.weight")
-            if s.qkv_bias:
-                names.append(p + f"self_attn.{x}_proj.bias")
-        if s.qk_norm:
-            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        names += [p + "self_attn.o_proj.weight", p + "post_attention_layernorm.weight"]
+        names += [p + "input_layernorm.weight", *attention_names(s, p)]
+        names += [p + "post_attention_layernorm.weight"]
         if s.sparse(i):
             x = s.expert_names()
             names.append(p + x["router"])
+            if s.expert_bias:
+                names.append(p + "mlp.gate.e_score_correction_bias")
             for e in range(s.experts):
                 names += [p + x[k].format(e=e) for k in ("gate", "up", "down")]
+            if s.shared_ffn:
+                names += [p + f"mlp.shared_experts.{k}.weight"
+                          for k in ("gate_proj", "up_proj", "down_proj")]  # fmt: skip
         else:
             names += [
                 p + "mlp.gate_proj.weight",
@@ -226,8 +301,8 @@ def shard_pieces(mp: Mapped, info: ShardInfo, s: Shapes, tp_rank: int, tp: int) 
         if r1 > max(r0, s.vocab):
             pieces.append(Piece(None, rows=(0, r1 - max(r0, s.vocab))))
         return pieces
-    if kind in ("glu", "expert_glu"):
-        ffn = s.moe_ffn if kind == "expert_glu" else s.ffn
+    if kind in ("glu", "expert_glu", "shared_glu"):
+        ffn = {"glu": s.ffn, "expert_glu": s.moe_ffn, "shared_glu": s.shared_ffn}[kind]
         span = _span(ffn, tp, tp_rank) if dim == 0 else (0, ffn)
         return [Piece(mp.hf[0], rows=span), Piece(mp.hf[1], rows=span)]
     if kind == "qkv":
@@ -249,7 +324,7 @@ def to_hf(mp: Mapped, full: torch.Tensor, s: Shapes) -> dict[str, torch.Tensor]:
         return {mp.hf[0]: full}
     if kind == "vocab":
         return {mp.hf[0]: full[: s.vocab]}
-    if kind in ("glu", "expert_glu"):
+    if kind in ("glu", "expert_glu", "shared_glu"):
         gate, up = full.chunk(2, dim=0)
         return {mp.hf[0]: gate, mp.hf[1]: up}
     per, d = s.heads // s.groups, s.head_dim
@@ -270,7 +345,7 @@ def from_hf(
     if kind == "vocab":
         t = tensors[mp.hf[0]]
         return torch.cat([t, t.new_zeros((padded_vocab - t.shape[0],) + tuple(t.shape[1:]))])
-    if kind in ("glu", "expert_glu"):
+    if kind in ("glu", "expert_glu", "shared_glu"):
         return torch.cat([tensors[mp.hf[0]], tensors[mp.hf[1]]])
     per, d = s.heads // s.groups, s.head_dim
     rest = tuple(tensors[mp.hf[0]].shape[1:])  # () for the bias

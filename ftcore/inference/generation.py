@@ -1,6 +1,7 @@
 """Decoding under any layout: the chat-templated prompt in, tokens out, greedily (temperature 0)
 or sampled (temperature, top-k, top-p). Used by `ftcore.generate`, by the trainer's exact-match
-accuracy (inference/exact_match.py) and by nothing else.
+accuracy (inference/exact_match.py) and by objective=grpo's rollouts (training/objectives/grpo/rollout.py: each
+data-parallel replica decodes its own completions, each row from its own seeded generator).
 
 Decoding runs megatron's own forward-only schedule, so TP/PP work unchanged. With megatron's KV
 cache (StaticInferenceContext) the prompts are read once and each later forward feeds one new
@@ -68,8 +69,10 @@ def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-            gen: torch.Generator) -> torch.Tensor:  # fmt: skip
-    """Greedy at temperature 0; else temperature, then top-k, then top-p (transformers' order)."""
+            gen: torch.Generator | list) -> torch.Tensor:  # fmt: skip
+    """Greedy at temperature 0; else temperature, then top-k, then top-p (transformers' order).
+    `gen`: one generator for the batch, or one per row (None: the row's choice is not taken, and
+    draws nothing), so what a row samples depends on its own generator alone."""
     if temperature <= 0:
         return logits.argmax(-1)
     logits = logits / temperature
@@ -77,16 +80,24 @@ def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     logits = nucleus(logits, top_p)
-    return torch.multinomial(logits.softmax(-1).cpu(), 1, generator=gen).squeeze(-1)
+    probs = logits.softmax(-1).cpu()
+    if not isinstance(gen, list):
+        return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    out = torch.zeros(len(gen), dtype=torch.int64)
+    for j, g in enumerate(gen):
+        if g is not None:
+            out[j] = torch.multinomial(probs[j], 1, generator=g)[0]
+    return out
 
 
-def _share(ids: torch.Tensor, chooser: bool) -> torch.Tensor:
-    """The chooser rank's tokens on every rank (others add zeros), on the host."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _share(ids: torch.Tensor, chooser: bool, group=None) -> torch.Tensor:
+    """The chooser rank's tokens on every rank of `group` (default the world; others add
+    zeros), on the host."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return ids.to(torch.int64).cpu()
     t = ids if chooser else torch.zeros_like(ids)
     t = t.to(device=rdist.comm_device(), dtype=torch.int64)
-    collectives.all_reduce(t)
+    collectives.all_reduce(t, group=group)
     return t.cpu()
 
 
@@ -138,8 +149,9 @@ def _cached_step(context, vocab: int, data_iterator, model):
 def _decode_cached(state, tokens, lengths, *, max_new_tokens, choose, finish) -> None:
     """All rows advance one position per forward from the shortest prompt on, with a KV cache:
     a row still inside its prompt is fed its prompt token (its choice is ignored), the others their
-    chosen token. Finished rows leave the batch and the cache. `choose(logits)` picks for every
-    row fed this step; `finish(i, tok)` takes row i's new token and says whether row i is done."""
+    chosen token. Finished rows leave the batch and the cache. `choose(logits, rows, live)` picks
+    for every row fed this step (`rows`: their indices; `live`: whether each one's choice is
+    taken); `finish(i, tok)` takes row i's new token and says whether row i is done."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
     n, total = tokens.shape[0], int(lengths.max()) + max_new_tokens
@@ -150,10 +162,12 @@ def _decode_cached(state, tokens, lengths, *, max_new_tokens, choose, finish) ->
     while len(active) and at < total:
         step = partial(_cached_step, context, state.cfg.model.vocab_size)
         res = _forward(state, step, feed.shape[1], len(active), feed)
-        picked = choose(res["logits"] if res else None, len(active))
+        rows = active.tolist()
+        live = [at >= lengths[i] for i in rows]
+        picked = choose(res["logits"] if res else None, rows, live)
         context.sequence_len_offset += feed.shape[1]
         left = []
-        for j, i in enumerate(active.tolist()):
+        for j, i in enumerate(rows):
             if at < lengths[i]:  # still reading its prompt
                 left.append(j)
             elif not finish(i, int(picked[j])) and at + 1 < lengths[i] + max_new_tokens:
@@ -174,17 +188,28 @@ def _decode_cached(state, tokens, lengths, *, max_new_tokens, choose, finish) ->
 @torch.no_grad()
 def generate_ids(state, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, stop: set[int] = frozenset(), pad_id: int = 0,
-                 seed: int = 0, keep=None, kv_cache: bool = True) -> list[list[int]]:  # fmt: skip
-    """New token ids for each prompt (stop token excluded). Every rank calls this with the same
-    prompts and gets the same answers. `keep(i, ids)` False ends row i early (exact match: the
-    answer can no longer match). With `kv_cache` (where `kv_cache_applies`) each forward feeds only
-    the new position; without it each recomputes the whole prefix."""
+                 seed: int = 0, keep=None, kv_cache: bool = True, seeds: list[int] | None = None,
+                 group=None, keep_stop: bool = False) -> list[list[int]]:  # fmt: skip
+    """New token ids for each prompt (stop token excluded unless `keep_stop`). Every rank calls
+    this with the same prompts and gets the same answers. `keep(i, ids)` False ends row i early
+    (exact match: the answer can no longer match). With `kv_cache` (where `kv_cache_applies`) each
+    forward feeds only the new position; without it each recomputes the whole prefix.
+
+    `seeds` (one per prompt): row i samples from its own generator, seeded with seeds[i], which
+    draws once per token the row takes: its tokens do not depend on the other rows, the batch or
+    the layout. `group`: the ranks that decode these prompts together (one model replica: its
+    model-parallel group); the replica's last stage, TP rank 0 chooses and shares with it.
+    Default: the world, the chooser being DP rank 0's."""
     cfg = state.cfg
     vocab = cfg.model.vocab_size
     multiple = cfg.parallel.tp if cfg.parallel.sp else 1
-    chooser = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
-               and ps.get_data_parallel_rank() == 0)  # fmt: skip
+    chooser = (
+        ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+    )
+    if group is None:
+        chooser = chooser and ps.get_data_parallel_rank() == 0
     gen = torch.Generator().manual_seed(seed)
+    gens = [torch.Generator().manual_seed(int(s)) for s in seeds] if seeds is not None else None
     lengths = torch.tensor([len(p) for p in prompts])
     total = int(lengths.max()) + max_new_tokens
     if total > cfg.model.max_position_embeddings:
@@ -197,12 +222,16 @@ def generate_ids(state, prompts: list[list[int]], *, max_new_tokens: int, temper
     done = torch.zeros(len(prompts), dtype=torch.bool)
     out: list[list[int]] = [[] for _ in prompts]
 
-    def choose(logits, rows: int) -> torch.Tensor:
-        picked = _choose(logits, temperature, top_k, top_p, gen) if chooser else torch.zeros(rows)
-        return _share(picked, chooser)
+    def choose(logits, rows: list[int], live: list[bool]) -> torch.Tensor:
+        if not chooser:
+            return _share(torch.zeros(len(rows)), False, group)
+        g = gen if gens is None else [gens[i] if ok else None for i, ok in zip(rows, live)]
+        return _share(_choose(logits, temperature, top_k, top_p, g), True, group)
 
     def finish(i: int, tok: int) -> bool:
         if tok in stop:
+            if keep_stop:
+                out[i].append(tok)
             return True
         out[i].append(tok)
         return keep is not None and not keep(i, out[i])
@@ -222,8 +251,9 @@ def generate_ids(state, prompts: list[list[int]], *, max_new_tokens: int, temper
             width = -(-int(cur.max()) // multiple) * multiple
             step = partial(_next_token_step, cur - 1, vocab)
             res = _forward(state, step, width, len(active), tokens[active, :width])
-            picked = choose(res["logits"] if res else None, len(active))
-            for j, i in enumerate(active.tolist()):
+            rows = active.tolist()
+            picked = choose(res["logits"] if res else None, rows, [True] * len(rows))
+            for j, i in enumerate(rows):
                 tok = int(picked[j])
                 done[i] = finish(i, tok)
                 if not done[i]:

@@ -55,7 +55,8 @@ def build_model(
                 share_embeddings_and_output_weights=cfg.model.tie_embeddings,
                 position_embedding_type="rope",
                 rotary_base=int(cfg.model.rope_theta),
-                rope_scaling=rope is not None,
+                rotary_percent=float(cfg.model.get("rotary_percent") or 1.0),  # GLM-4.5: 0.5
+                rope_scaling=rope is not None and rope.get("rope_type", "llama3") == "llama3",
                 rope_scaling_factor=rope.factor if rope is not None else 8.0,
                 vp_stage=vp_stage if cfg.parallel.vp > 1 else None,
             )

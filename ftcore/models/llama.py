@@ -8,10 +8,11 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 from omegaconf import DictConfig
 
 from ftcore.config.families import family
-from ftcore.models import moe, rope, speed
+from ftcore.models import mla, moe, rope, speed
 from ftcore.models.local.attention import SdpaAttention
 from ftcore.models.local.norm import RMSNorm
 from ftcore.models.nf4 import defer_base_linears
@@ -101,11 +102,12 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
         **speed.transformer_kwargs(cfg, on_cpu=on_cpu),
         **moe.transformer_kwargs(cfg, on_cpu=on_cpu),  # experts, router, dispatcher (MoE only)
     )
+    kwargs.update(mla.transformer_kwargs(m))  # latent attention's shapes and YaRN (DeepSeek-V3)
     if not on_cpu:
         from ftcore.precision import recipes
 
         kwargs.update(recipes.transformer_config_kwargs(cfg))
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if mla.is_mla(m) else TransformerConfig)(**kwargs)
 
 
 def layer_spec(cfg: DictConfig, config: TransformerConfig, *, on_cpu: bool, vp_stage, pp_rank):
@@ -132,12 +134,18 @@ def layer_spec(cfg: DictConfig, config: TransformerConfig, *, on_cpu: bool, vp_s
 
             specs = moe.layer_specs(cfg, spec, sparse, first=first, n=n)
             return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TENorm)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     norm = ModuleSpec(module=RMSNorm)
-    local_qk_norms(spec, cfg.model, norm)
-    spec.submodules.self_attention.submodules.core_attention = SdpaAttention
-    spec.submodules.input_layernorm = norm
-    spec.submodules.pre_mlp_layernorm = norm
+    if mla.is_mla(cfg.model):
+        spec = get_gpt_layer_local_spec(
+            normalization="RMSNorm", multi_latent_attention=True, qk_layernorm=True
+        )
+        mla.local_spec(spec, norm, SdpaAttention)
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        local_qk_norms(spec, cfg.model, norm)
+        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+        spec.submodules.input_layernorm = norm
+        spec.submodules.pre_mlp_layernorm = norm
     if cfg.peft.name == "qlora" and (cfg.model.hf_path or cfg.model.init_path):
         defer_base_linears(spec, cfg.peft.double_quant)  # NF4 as loaded: no full-precision base
     sparse = moe.moe_layer_spec(cfg, spec, on_cpu=True) if moe.is_moe(cfg.model) else None

@@ -66,8 +66,9 @@ def transformer_kwargs(cfg: DictConfig, *, on_cpu: bool) -> dict:
         num_moe_experts=int(m.num_experts),
         moe_ffn_hidden_size=int(m.moe_ffn_hidden_size or m.ffn_hidden_size),
         moe_router_topk=int(m.moe_router_topk),
-        moe_router_score_function="softmax",
+        moe_router_score_function=m.get("moe_router_score_function") or "softmax",
         moe_router_pre_softmax=not m.moe_norm_topk_prob,
+        **biased_router_kwargs(cfg),
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=aux_loss_coeff(cfg),
         moe_z_loss_coeff=moe.get("z_loss_coeff"),
@@ -85,6 +86,23 @@ def transformer_kwargs(cfg: DictConfig, *, on_cpu: bool) -> dict:
         moe_router_padding_for_quantization=te and recipes.is_quantized(cfg),
         expert_model_parallel_size=p.get("ep", 1),
         expert_tensor_parallel_size=p.get("etp", 1),
+    )
+
+
+def biased_router_kwargs(cfg: DictConfig) -> dict:
+    """DeepSeek-V3/GLM-4.5 routing (docs/deepseek.md): shared experts, the expert bias and its
+    update rate (moe.expert_bias_update_rate; 0 keeps it), groups, the scaled output."""
+    m = cfg.model
+    scale = float(m.get("moe_router_topk_scaling_factor") or 1.0)
+    return dict(
+        moe_shared_expert_intermediate_size=m.get("moe_shared_expert_ffn_hidden_size"),
+        moe_router_enable_expert_bias=bool(m.get("moe_router_expert_bias")),
+        moe_router_bias_update_rate=float(
+            (cfg.get("moe") or {}).get("expert_bias_update_rate") or 0.0
+        ),  # fmt: skip
+        moe_router_num_groups=m.get("moe_router_num_groups"),
+        moe_router_group_topk=m.get("moe_router_group_topk"),
+        moe_router_topk_scaling_factor=None if scale == 1.0 else scale,
     )
 
 
@@ -116,7 +134,7 @@ def moe_layer_spec(cfg: DictConfig, dense_spec, *, on_cpu: bool):
 
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=int(cfg.model.num_experts), moe_grouped_gemm=not expert_adapters(cfg),
-            qk_layernorm=family(cfg.model).qk_layernorm,
+            **family(cfg.model).spec_flags,
         )  # fmt: skip
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 

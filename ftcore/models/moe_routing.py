@@ -82,6 +82,16 @@ class Router(TopKRouter):
         self._stats(logits.device)[Z] += weighted.detach()
         return MoEAuxLossAutoScaler.apply(logits, weighted * scale)
 
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        """megatron 0.16.1's count for the expert-bias update, with the padding mask ([tokens],
+        True = padding) broadcast over the experts: megatron's `routing_map & ~padding_mask`
+        raises for [tokens, experts] & [tokens] (docs/deepseek.md)."""
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
     def routing(self, logits, padding_mask=None):
         probs, routing_map = super().routing(logits, padding_mask)
         if self.training and torch.is_grad_enabled():  # once per micro-batch, recompute or not
@@ -90,6 +100,22 @@ class Router(TopKRouter):
                 counted = routing_map & ~padding_mask.reshape(-1, 1)
             self._stats(logits.device)[LOAD:] += counted.sum(dim=0)
         return probs, routing_map
+
+
+def remember_bias(chunks: list) -> None:
+    """Note each router's expert bias as loaded (the published one), for `bias_shift`."""
+    for r in routers(chunks):
+        if r.expert_bias is not None:
+            r.ftcore_bias0 = r.expert_bias.detach().clone()
+
+
+def bias_shift(r: Router) -> torch.Tensor:
+    """The largest |expert bias - as loaded| of a router (0 without an expert bias); megatron
+    moves it in finalize_model_grads by moe_router_bias_update_rate per step."""
+    b0 = getattr(r, "ftcore_bias0", None)
+    if r.expert_bias is None or b0 is None:
+        return torch.zeros(())
+    return (r.expert_bias.detach().float() - b0.float()).abs().max()
 
 
 def install(chunks: list) -> list[Router]:

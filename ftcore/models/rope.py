@@ -33,10 +33,12 @@ def inv_freq(head_dim: int, theta: float, scaling=None) -> torch.Tensor:
 
 
 def model_inv_freq(model_cfg) -> torch.Tensor:
+    """The inverse frequencies of the rotated part of the head (GLM-4.5: its first half)."""
     m = model_cfg
     head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+    head_dim = int(head_dim * float(m.get("rotary_percent") or 1.0))  # as transformers rounds
     scaling = None
-    if m.rope_scaling is not None:
+    if m.rope_scaling is not None and m.rope_scaling.get("rope_type", "llama3") == "llama3":
         scaling = {k: m.rope_scaling[k] for k in
                    ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}  # fmt: skip
     return inv_freq(head_dim, m.rope_theta, scaling)
@@ -71,14 +73,19 @@ def angles_at(positions: torch.Tensor | None):
         yield
         return
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,  # MLA's (models/mla.py): a cache of its own
+    )
 
     _positions[0] = positions
     RotaryEmbedding.forward.cache_clear()
+    YarnRotaryEmbedding.forward.cache_clear()
     try:
         yield
     finally:
         _positions[0] = None
         RotaryEmbedding.forward.cache_clear()
+        YarnRotaryEmbedding.forward.cache_clear()
 
 
 def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:

@@ -84,6 +84,20 @@ def iter_params(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.P
             yield global_name(local, chunk), p
 
 
+BUFFERS = ("expert_bias",)  # buffers that are weights of the checkpoint (the router's bias)
+
+
+def iter_weights(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """iter_params, then the buffers a Hugging Face checkpoint holds as tensors: each MoE
+    router's `expert_bias` (DeepSeek-V3's e_score_correction_bias, never trained by the
+    optimizer; moe.expert_bias_update_rate moves it)."""
+    yield from iter_params(chunks)
+    for chunk in chunks:
+        for local, b in unwrap(chunk).named_buffers():
+            if b is not None and local.rsplit(".", 1)[-1] in BUFFERS:
+                yield global_name(local, chunk), b
+
+
 def shard_info(name: str, param: torch.Tensor, tp: int) -> ShardInfo:
     shape = tuple(param.shape)
     if not getattr(param, "tensor_model_parallel", False) or tp == 1:

@@ -27,7 +27,9 @@ from ftcore.peft import moe_format
 from ftcore.peft.adapter_config import write_adapter_config
 from ftcore.peft.config import (
     ADAPTER_FILE,
+    HF_ORDER,
     HF_PARENT,
+    SHARED,
     SLICES,
     LoraSettings,
     adapter_file,
@@ -41,9 +43,10 @@ from ftcore.runtime import dist as rdist
 
 log = logging.getLogger("ftcore")
 
-# one of our adapter tensors: (layer, megatron linear, A|B, key)
+# one of our adapter tensors: (layer, shared experts' prefix or None, megatron linear, A|B, key)
 OUR_KEY = re.compile(
-    r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(linear_\w+|router)\.lora_([AB])\.(\w+)$"
+    r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(shared_experts\.)?(linear_\w+|router)"
+    r"\.lora_([AB])\.(\w+)$"
 )
 
 
@@ -113,18 +116,17 @@ def to_peft(
         m = OUR_KEY.match(name)
         if m is None:
             raise ValueError(f"not an adapter tensor: {name}")
-        layer, module, ab, key = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        if ab == "A":
+        layer, pre, module, ab, key = int(m[1]), m[2] or "", m[3], m[4], m[5]
+        if ab == "A":  # a shared expert's slices: "shared_experts.gate_proj" (HF_PARENT)
             for s in SLICES[module] if key == module else (key,):
-                a_of[(layer, s)] = t
+                a_of[(layer, pre + s)] = t
         else:
-            b_of[(layer, key)] = t
+            b_of[(layer, pre + key)] = t
     for (layer, s), b in b_of.items():
         sd[hf_key(layer, s, "A", family)] = a_of[(layer, s)].contiguous().clone()
         sd[hf_key(layer, s, "B", family)] = b.contiguous()
-        targets.add(s)
-    order = [s for slices in SLICES.values() for s in slices]
-    return sd, sorted(targets, key=order.index)
+        targets.add(s.removeprefix(SHARED))
+    return sd, sorted(targets, key=HF_ORDER.index)
 
 
 def with_umask(root: Path) -> None:
@@ -161,8 +163,9 @@ def save_adapter(
     params = None
     if model_cfg is not None and moe_format.is_moe(model_cfg):
         targets, params = moe_format.peft_targets(
-            model_cfg.family, targets, list(model_cfg.moe_dense_layers)
-        )
+            model_cfg.family, targets, list(model_cfg.moe_dense_layers),
+            bool(model_cfg.get("moe_shared_expert_ffn_hidden_size")),
+        )  # fmt: skip
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -228,7 +231,7 @@ def load_hf_adapter(chunks, s: LoraSettings, cfg) -> None:
             layer, ab, key = int(e[1]), e[4], e[5]
             full = experts.get((layer, int(e[2]), key, ab))
         elif m is not None:
-            layer, ab, key = int(m.group(1)), m.group(3), m.group(4)
+            layer, ab, key = int(m[1]), m[4], (m[2] or "") + m[5]
             full = tensors.get((layer, key, ab))
         else:
             continue

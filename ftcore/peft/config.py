@@ -21,22 +21,41 @@ SLICES = {
     "linear_fc1": ("gate_proj", "up_proj"),
     "linear_fc2": ("down_proj",),
     "router": ("gate",),  # a MoE layer's router (HF `mlp.gate`); frozen unless targeted
+    # multi-head latent attention (DeepSeek-V3): one Hugging Face module each
+    "linear_q_proj": ("q_proj",),  # without q_lora_rank
+    "linear_q_down_proj": ("q_a_proj",),
+    "linear_q_up_proj": ("q_b_proj",),
+    "linear_kv_down_proj": ("kv_a_proj_with_mqa",),
+    "linear_kv_up_proj": ("kv_b_proj",),
 }
-COLUMN = ("linear_qkv", "linear_fc1")
+COLUMN = ("linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
+# MLA's down projections: whole on every TP rank (models/mla.py; TE's "duplicated")
+REPLICATED = ("linear_q_down_proj", "linear_kv_down_proj")
+MLA_ONLY = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+            "linear_kv_up_proj")  # fmt: skip
 
-HF_NAMES = {s: m for m, slices in SLICES.items() for s in slices}  # q_proj -> linear_qkv
+# q_proj -> linear_qkv (standard attention); MLA's names -> MLA's linears
+HF_NAMES = {s: m for m, slices in SLICES.items() if m not in MLA_ONLY for s in slices}
+MLA_HF_NAMES = {**{hf: lin for hf, lin in HF_NAMES.items() if lin != "linear_qkv"},
+                **{hf: lin for lin in MLA_ONLY for hf in SLICES[lin]}}  # fmt: skip
+HF_ORDER = list(dict.fromkeys([*HF_NAMES, *MLA_HF_NAMES]))  # canonical order of target names
 PARENT = {
     "linear_qkv": "self_attention",
     "linear_proj": "self_attention",
     "linear_fc1": "mlp",
     "linear_fc2": "mlp",
     "router": "mlp",
+    **dict.fromkeys(MLA_ONLY, "self_attention"),
 }
+SHARED = "shared_experts."  # a shared expert's slice: "shared_experts.gate_proj" (DeepSeek-V3)
 HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "gate": "mlp"}  # fmt: skip
+             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "gate": "mlp",
+             **{s: "self_attn" for m in MLA_ONLY for s in SLICES[m]},
+             **{SHARED + s: "mlp" for s in ("gate_proj", "up_proj", "down_proj")}}  # fmt: skip
 # a PEFT adapter key: base_model.model.model.layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight
 PEFT_KEY = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp|block_sparse_moe)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$"
+    r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp|block_sparse_moe)\.((?:shared_experts\.)?\w+)"
+    r"\.lora_([AB])(?:\.\w+)?\.weight$"
 )
 ADAPTER_FILE, CONFIG_FILE = "adapter_model.safetensors", "adapter_config.json"
 LEGACY_ADAPTER_FILE = "adapter_model.bin"
@@ -64,30 +83,52 @@ class LoraSettings:
 
 @dataclass(frozen=True)
 class Geometry:
-    """Full (unsharded) shapes of a Llama layer's linears."""
+    """Full (unsharded) shapes of a layer's linears."""
 
     hidden: int
     ffn: int
     heads: int
     groups: int  # kv heads
-    head_dim: int
+    head_dim: int  # standard attention; MLA: the value head (megatron's kv_channels there)
     experts: int = 0  # a mixture of experts: experts per MoE layer (the router's outputs)
     moe_ffn: int = 0  # and each expert's ffn size
+    shared_ffn: int = 0  # the shared experts' total width (DeepSeek-V3, GLM-4.5)
+    mla: tuple[int, int, int, int, int] | None = None  # q_lora (0: none), kv_lora, nope, rope, v
 
     @classmethod
     def of(cls, config) -> Geometry:
-        """From megatron's TransformerConfig."""
+        """From megatron's TransformerConfig (an MLATransformerConfig for MLA)."""
+        mla = None
+        if getattr(config, "multi_latent_attention", False):
+            mla = (config.q_lora_rank or 0, config.kv_lora_rank, config.qk_head_dim,
+                   config.qk_pos_emb_head_dim, config.v_head_dim)  # fmt: skip
         return cls(config.hidden_size, config.ffn_hidden_size, config.num_attention_heads,
                    config.num_query_groups, config.kv_channels, config.num_moe_experts or 0,
-                   config.moe_ffn_hidden_size or 0)  # fmt: skip
+                   config.moe_ffn_hidden_size or 0,
+                   config.moe_shared_expert_intermediate_size or 0, mla)  # fmt: skip
 
     def expert(self) -> Geometry:
         """One expert's MLP: the shapes of gate/up/down_proj are those of moe_ffn."""
         return replace(self, ffn=self.moe_ffn)
 
+    def shared(self) -> Geometry:
+        """The shared experts' MLP (one MLP of their total width)."""
+        return replace(self, ffn=self.shared_ffn)
+
     def out_in(self, hf_name: str) -> tuple[int, int]:
         """(out, in) features of one slice, full size, as the Hugging Face module has them."""
+        if hf_name.startswith(SHARED):
+            return self.shared().out_in(hf_name[len(SHARED) :])
         h, f, q, kv = self.hidden, self.ffn, self.heads * self.head_dim, self.groups * self.head_dim
+        if self.mla is not None:
+            q_lora, kv_lora, nope, rope, v = self.mla
+            n = self.heads
+            mla = {"q_proj": (n * (nope + rope), h), "q_a_proj": (q_lora, h),
+                   "q_b_proj": (n * (nope + rope), q_lora),
+                   "kv_a_proj_with_mqa": (kv_lora + rope, h),
+                   "kv_b_proj": (n * (nope + v), kv_lora), "o_proj": (h, n * v)}  # fmt: skip
+            if hf_name in mla:
+                return mla[hf_name]
         return {
             "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
             "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f), "gate": (self.experts, h),
@@ -96,30 +137,57 @@ class Geometry:
 
 def geometry(model_cfg) -> Geometry:
     """From the config's `model` section."""
+    from ftcore.config.families import family
+
     m = model_cfg
+    mla, head = None, m.kv_channels or m.hidden_size // m.num_attention_heads
+    if family(m).mla:
+        mla = (int(m.q_lora_rank or 0), int(m.kv_lora_rank), int(m.qk_nope_head_dim),
+               int(m.qk_rope_head_dim), int(m.v_head_dim))  # fmt: skip
+        head = int(m.v_head_dim)  # as megatron's kv_channels for MLA (models/mla.py)
     return Geometry(m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups,
-                    m.kv_channels or m.hidden_size // m.num_attention_heads,
-                    getattr(m, "num_experts", None) or 0, getattr(m, "moe_ffn_hidden_size", None) or 0)  # fmt: skip
+                    head, getattr(m, "num_experts", None) or 0,
+                    getattr(m, "moe_ffn_hidden_size", None) or 0,
+                    int(getattr(m, "moe_shared_expert_ffn_hidden_size", None) or 0), mla)  # fmt: skip
 
 
-def plan_targets(targets) -> dict[str, dict[str, str]]:
+def target_names(model_cfg=None) -> tuple[dict[str, str], tuple[str, ...]]:
+    """({HF target name: megatron linear}, megatron names) a model's adapters can take: MLA's
+    (q_proj only without q_lora_rank, q_a_proj/q_b_proj only with it) or standard attention's."""
+    from ftcore.config.families import family
+
+    if model_cfg is None or not family(model_cfg).mla:
+        return HF_NAMES, tuple(m for m in SLICES if m not in MLA_ONLY)
+    q = (
+        ("linear_q_down_proj", "linear_q_up_proj")
+        if model_cfg.get("q_lora_rank")
+        else ("linear_q_proj",)
+    )
+    linears = (*q, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj", "linear_fc1",
+               "linear_fc2", "router")  # fmt: skip
+    return {hf: lin for hf, lin in MLA_HF_NAMES.items() if lin in linears}, linears
+
+
+def plan_targets(targets, model_cfg=None) -> dict[str, dict[str, str]]:
     """{megatron module: {slice (HF name): A key}}; A key = the slice itself, or the megatron name
-    when the slices share one A."""
+    when the slices share one A. `model_cfg` of a latent-attention model takes MLA's names."""
+    hf_names, linears = target_names(model_cfg)
     plan: dict[str, dict[str, str]] = {}
     given: dict[str, str] = {}
     for t in targets:
         t = str(t)
-        if t in SLICES:
+        if t in linears:
             shared = t if len(SLICES[t]) > 1 else SLICES[t][0]
             pairs = [(t, s, shared) for s in SLICES[t]]
-        elif t in HF_NAMES:
-            pairs = [(HF_NAMES[t], t, t)]
+        elif t in hf_names:
+            pairs = [(hf_names[t], t, t)]
         else:
             raise FtcoreError(
-                f"unknown target module {t!r}",
+                f"unknown target module {t!r}" + (" for this model's attention" if t in HF_ORDER
+                                                   or t in SLICES else ""),
                 field="peft.target_modules",
-                fix=f"use Hugging Face names ({', '.join(HF_NAMES)}) or megatron names ({', '.join(SLICES)})",
-            )
+                fix=f"use Hugging Face names ({', '.join(hf_names)}) or megatron names ({', '.join(linears)})",
+            )  # fmt: skip
         for module, s, key in pairs:
             if s in given and given[s] != t:
                 raise FtcoreError(
@@ -216,9 +284,7 @@ def settings(cfg: DictConfig) -> LoraSettings:
         from ftcore.peft.moe_format import FROM_HF  # Mixtral's w1/w3/w2 are gate/up/down_proj
 
         tm = [FROM_HF.get(t, t) for t in ac.get("target_modules") or []]
-        targets = tuple(
-            sorted(tm, key=list(HF_NAMES).index) if all(t in HF_NAMES for t in tm) else tm
-        )
+        targets = tuple(sorted(tm, key=HF_ORDER.index) if all(t in HF_ORDER for t in tm) else tm)
         r, alpha, rslora = (
             ac.get("r", r),
             ac.get("lora_alpha", alpha),
@@ -263,6 +329,6 @@ def check_config(cfg: DictConfig) -> None:
                           fix="e.g. peft.target_modules=[q_proj,k_proj,v_proj,o_proj]")  # fmt: skip
     from ftcore.peft.moe_format import check_moe_targets
 
-    check_moe_targets(cfg, s.targets, plan_targets(s.targets))
+    check_moe_targets(cfg, s.targets, plan_targets(s.targets, cfg.model))
     if s.adapter_path:
         check_adapter_fits(s.adapter_path, cfg.model)

@@ -16,6 +16,9 @@ A fused column layer has slices (q, k, v or gate, up). Each slice has its own B;
 per slice (Hugging Face target names) or shared by all slices (megatron names). The slice deltas
 are put back in megatron's fused layout: per query group [q heads, k, v] for linear_qkv, [gate; up]
 per TP shard for linear_fc1. The functions below are plain so TE variants can reuse them.
+MLA's column-parallel up projections have one slice each; its down projections (REPLICATED,
+models/mla.py) are whole on every TP rank: A and B replicated, no communication, and under SP
+both gradients partial (each rank's tokens), so both are marked `sequence_parallel`.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from megatron.core.transformer.utils import (
 from torch import nn
 
 from ftcore.peft import fused
-from ftcore.peft.config import COLUMN, Geometry
+from ftcore.peft.config import COLUMN, REPLICATED, SLICES, Geometry
 from ftcore.runtime import cpu
 
 
@@ -42,6 +45,8 @@ def fuse_column(
     slices are zero."""
     ref = next(iter(deltas.values()))
     lead = ref.shape[:-1]
+    if len(SLICES[module]) == 1:  # MLA's up projections: one slice, the whole output
+        return ref
 
     def part(name: str, width: int) -> torch.Tensor:
         t = deltas.get(name)
@@ -61,6 +66,8 @@ def fuse_column(
 def _column_views(module: str, out: torch.Tensor, geo: Geometry, tp: int) -> dict:
     """Each slice's view of a fused column output [..., out/tp] (q, k, v interleaved per query
     group for linear_qkv; gate then up for linear_fc1), shaped [..., slice/tp] or [..., g, w]."""
+    if len(SLICES[module]) == 1:
+        return {SLICES[module][0]: out}
     if module == "linear_fc1":
         f = geo.ffn // tp
         return {"gate_proj": out[..., :f], "up_proj": out[..., f:]}
@@ -212,16 +219,17 @@ class LoraParallelLinear(nn.Module):
         self.scale, self.dropout, self.r = scale, dropout, r
         self.a_of = dict(slices)  # slice -> A key
         self.column = module in COLUMN
+        self.replicated = module in REPLICATED
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
         self._fused_layout = None
         like = dict(device=device_of(base), dtype=dtype)  # the base's device, the model's dtype
+        whole_in = self.column or self.replicated
         for s, key in slices.items():
             out, inp = geo.out_in(s)
             if key not in self.lora_A:
-                a_in = inp if self.column else inp // tp
-                self.lora_A[key] = _mark(nn.Parameter(torch.zeros(r, a_in, **like)),
-                                         sharded_dim=None if self.column else 1, sp=sp and self.column)  # fmt: skip
+                self.lora_A[key] = _mark(nn.Parameter(torch.zeros(r, inp if whole_in else inp // tp, **like)),
+                                         sharded_dim=None if whole_in else 1, sp=sp and whole_in)  # fmt: skip
             b_out = out // tp if self.column else out
             self.lora_B[s] = _mark(nn.Parameter(torch.zeros(b_out, r, **like)),
                                    sharded_dim=0 if self.column else None, sp=sp and not self.column)  # fmt: skip
@@ -235,6 +243,10 @@ class LoraParallelLinear(nn.Module):
         if self.column:
             return fuse_column(self.module, self.column_deltas(x), self.geo, self.tp)
         (key,), (s,) = list(self.lora_A), list(self.lora_B)
+        if self.replicated:  # whole on every rank: no communication (module docstring)
+            x = _dropout(x, self.dropout, self.training, per_rank=self.sp)
+            a = (self.lora_A[key] * self.scale).to(x.dtype)
+            return F.linear(F.linear(x, a), self.lora_B[s].to(x.dtype))
         return row_lora(x, self.lora_A[key], self.lora_B[s], scale=self.scale, sp=self.sp,
                         dropout=self.dropout, training=self.training)  # fmt: skip
 

@@ -20,7 +20,14 @@ from omegaconf import DictConfig
 from ftcore.models.nf4 import quantize_linear
 from ftcore.models.sharding import iter_params, shard_info, take_shard, unwrap
 from ftcore.peft.adapter_format import load_hf_adapter
-from ftcore.peft.config import PARENT, Geometry, LoraSettings, check_config, plan_targets, settings
+from ftcore.peft.config import (
+    PARENT,
+    Geometry,
+    LoraSettings,
+    check_config,
+    plan_targets,
+    settings,
+)
 from ftcore.peft.experts import (
     adapt_router,
     adapter_params,
@@ -75,7 +82,7 @@ def apply_peft(cfg: DictConfig, chunks: list, *, say: bool = True) -> LoraSettin
     nothing)."""
     check_config(cfg)
     s = settings(cfg)
-    plan = plan_targets(s.targets)
+    plan = plan_targets(s.targets, cfg.model)
     config = unwrap(chunks[0]).config
     geo = Geometry.of(config)
     tp = ps.get_tensor_model_parallel_world_size()
@@ -90,7 +97,9 @@ def apply_peft(cfg: DictConfig, chunks: list, *, say: bool = True) -> LoraSettin
             parent = getattr(layer, parent_name)
             if is_moe_layer(parent) or module == "router":
                 continue  # the experts and the router: below
-            base = getattr(parent, module)
+            base = getattr(parent, module, None)
+            if base is None:
+                continue  # the other attention's linears (MLA or q/k/v)
             if quantize is not None:
                 base = quantize(base, double_quant=cfg.peft.double_quant, sp=sp)
             if module in plan:
@@ -103,6 +112,11 @@ def apply_peft(cfg: DictConfig, chunks: list, *, say: bool = True) -> LoraSettin
                          dtype=dtype)  # fmt: skip
             if "router" in plan:
                 adapt_router(layer.mlp.router, geo=geo, r=s.r, scale=s.scale, dtype=dtype, sp=sp)
+            shared = getattr(layer.mlp, "shared_experts", None)
+            for module in experts if shared is not None else ():  # like a dense MLP of its width
+                setattr(shared, module, lora_linear(
+                    getattr(shared, module), module, experts[module], geo=geo.shared(), r=s.r,
+                    scale=s.scale, dropout=s.dropout, tp=tp, sp=sp, dtype=dtype))  # fmt: skip
     if config.recompute_granularity == "full":
         embedding_output_requires_grad(chunks)
     init_adapters(chunks, cfg.run.seed)

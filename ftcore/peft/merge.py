@@ -85,6 +85,14 @@ def write_merged_model(base_dir, adapter_dir, out_dir) -> Path:
     """base HF directory + PEFT adapter -> merged HF directory, one safetensors shard at a time.
     Config, index, tokenizer and other small files are copied unchanged."""
     base_dir, out_dir = Path(base_dir), Path(out_dir)
+    config = base_dir / "config.json"
+    if config.is_file() and safe_files.read_json_object(config, "model.hf_path", root=base_dir).get(
+        "quantization_config"
+    ):
+        raise FtcoreError(f"{base_dir} is a quantized (FP8) checkpoint: merging onto its files "
+                          "would add the adapter to quantized values", field="export.merge",
+                          fix="merge from the live run (its export reads the dequantized base: "
+                          "hf_model/ of a LoRA run), or onto a bf16 copy of the base")  # fmt: skip
     adapter_config, sd = read_adapter(adapter_dir)
     deltas = merge_deltas(adapter_config, sd)
     shards = safe_files.entries(base_dir, "model.hf_path", "*.safetensors")
@@ -130,13 +138,15 @@ def megatron_deltas(
             groups.setdefault((int(e[1]), parent, e[3]), {"A": {}, "B": {}})[e[4]][e[5]] = t.float()
             continue
         m = OUR_KEY.match(name)
-        layer, module, ab, key = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        groups.setdefault((layer, PARENT[module], module), {"A": {}, "B": {}})[ab][key] = t.float()
+        layer, module, ab, key = int(m[1]), m[3], m[4], m[5]
+        parent = PARENT[module] + (".shared_experts" if m[2] else "")
+        groups.setdefault((layer, parent, module), {"A": {}, "B": {}})[ab][key] = t.float()
     out = {}
     for (layer, parent, module), ab in groups.items():
         per = {s: b @ ab["A"].get(s, ab["A"].get(module)) for s, b in ab["B"].items()}
         if module in COLUMN:
             g = geo.expert() if ".local_experts." in parent else geo
+            g = g.shared() if parent.endswith(".shared_experts") else g
             delta = fuse_column(module, {s: d.t() for s, d in per.items()}, g, 1).t()
         else:
             (delta,) = per.values()
@@ -169,13 +179,14 @@ def adapter_names(run_cfg) -> list[str]:
     m = run_cfg.model
     names, experts = [], int(getattr(m, "num_experts", None) or 0)
     dense = set(getattr(m, "moe_dense_layers", None) or [])
+    shared = ["mlp.shared_experts"] if m.get("moe_shared_expert_ffn_hidden_size") else []
     for i in range(m.num_layers):
         moe = experts and i not in dense
-        for module, slices in plan_targets(settings(run_cfg).targets).items():
+        for module, slices in plan_targets(settings(run_cfg).targets, m).items():
             if module == "router" and not moe:
                 continue
             if moe and module in ("linear_fc1", "linear_fc2"):
-                parents = [f"mlp.experts.local_experts.{k}" for k in range(experts)]
+                parents = [f"mlp.experts.local_experts.{k}" for k in range(experts)] + shared
             else:
                 parents = [PARENT[module]]
             for parent in parents:

@@ -19,11 +19,15 @@ from ftcore.errors import FtcoreError
 EXPERT_SLICES = ("gate_proj", "up_proj", "down_proj")
 EXPERT_LINEAR = {"gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
 # the module names of each family's published per-expert checkpoint (Mixtral: w1 gate, w3 up, w2 down)
+_PLAIN = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 HF_EXPERT_NAME = {
-    "qwen3_moe": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},
+    "qwen3_moe": _PLAIN,
     "mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+    "deepseek_v3": _PLAIN,  # transformers converts these as Qwen3-MoE's (qwen2_moe pattern)
+    "glm4_moe": _PLAIN,
 }
-MOE_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
+MOE_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "deepseek_v3": "mlp",
+             "glm4_moe": "mlp"}  # fmt: skip
 FROM_HF = {hf: s for names in HF_EXPERT_NAME.values() for s, hf in names.items()}
 
 OUR_EXPERT_KEY = re.compile(
@@ -50,17 +54,19 @@ def hf_router_key(family: str, layer: int, ab: str) -> str:
 
 
 def peft_targets(
-    family: str, targets: list[str], dense_layers
+    family: str, targets: list[str], dense_layers, shared: bool = False
 ) -> tuple[list[str], list[str] | None]:
     """(target_modules, target_parameters) of adapter_config.json for a MoE model.
 
     The expert slices take the family's names (Mixtral: w1/w3/w2). PEFT on transformers 5 turns
     every target named gate_proj/up_proj/down_proj into its fused experts' parameters, so the
-    dense MLPs of a Qwen3-MoE (mlp_only_layers) would silently lose their adapters: naming their
-    weights in target_parameters keeps them (checked against PEFT 0.21.2 in the tests)."""
+    dense MLPs of a Qwen3-MoE (mlp_only_layers) and DeepSeek-V3's shared experts (plain linears
+    under the same names) would silently lose their adapters: naming their weights in
+    target_parameters keeps them (checked against PEFT 0.21.2 in the tests)."""
     names = HF_EXPERT_NAME.get(family, {})
     modules = [names.get(t, t) for t in targets]
     params = [f"mlp.{t}.weight" for t in targets if t in EXPERT_SLICES and dense_layers]
+    params += [f"shared_experts.{t}.weight" for t in targets if t in EXPERT_SLICES and shared]
     return modules, params or None
 
 

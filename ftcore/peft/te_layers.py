@@ -21,7 +21,9 @@ from torch import nn
 from ftcore.peft.layers import LoraParallelLinear
 from ftcore.precision.recipes import adapter_autocast_off, high_precision
 
-TE_LINEARS = ("TELayerNormColumnParallelLinear", "TEColumnParallelLinear", "TERowParallelLinear")
+# TELinear: MLA's down projections ("duplicated", whole on every TP rank; models/mla.py)
+TE_LINEARS = ("TELayerNormColumnParallelLinear", "TEColumnParallelLinear", "TERowParallelLinear",
+              "TELinear")  # fmt: skip
 
 
 def is_te_linear(module: nn.Module) -> bool:

@@ -6,16 +6,18 @@ is validate()'s memory-fit step (ftcore.train refuses a job predicted not to fit
 
 from __future__ import annotations
 
+import copy
+
 from omegaconf import DictConfig
 
 from ftcore.errors import FtcoreError
-from ftcore.planner import memory
+from ftcore.planner import grpo, memory
 from ftcore.planner import throughput as _throughput
 from ftcore.planner.activations import routed_factor
 from ftcore.planner.cp import comm_type as cp_comm_type
 from ftcore.planner.labels import labels
 from ftcore.planner.memory import GiB, StageMemory, all_stages, host_bytes
-from ftcore.planner.params import active_params, is_moe, moe_layer_count, total_params
+from ftcore.planner.params import active_params, is_moe, moe_layer_count, mtp_params, total_params
 from ftcore.planner.search import smallest_fit
 from ftcore.planner.view import view
 
@@ -96,6 +98,11 @@ def _host_gib(cfg, world: int) -> dict:
 def _params(cfg, world: int) -> dict:
     """Total and active parameters; for a MoE model the experts and where they live."""
     out = {"total": total_params(cfg), "active": active_params(cfg)}
+    base = copy.deepcopy(cfg)
+    base.peft.name = "none"
+    out["base"] = total_params(base)  # the model without adapters: what its card counts
+    if mtp_params(base):  # DeepSeek-V3/GLM-4.5: carried into the export, not built
+        out["mtp"] = mtp_params(base)
     m, p = cfg.model, cfg.parallel
     if is_moe(m):
         ep = getattr(p, "ep", 1)
@@ -126,7 +133,7 @@ def plan(cfg: DictConfig, world_size: int | None = None) -> dict:
     speed = _throughput.throughput(cfg, world)
     p = cfg.parallel
     st = speed["time"]
-    return {
+    out = {
         "exp": cfg.run.exp,
         "model": cfg.model.name,
         "peft": cfg.peft.name,
@@ -185,3 +192,15 @@ def plan(cfg: DictConfig, world_size: int | None = None) -> dict:
             "host_bound": st.host_bound_s,
         },
     }
+    if grpo.active(cfg):  # rollout, forward-only passes and update priced apart (planner/grpo.py)
+        out["grpo"] = _grpo(cfg, world, stages, speed)
+    return out
+
+
+def _grpo(cfg, world: int, stages: list[StageMemory], speed: dict) -> dict:
+    weights = [
+        s.parts["frozen_weights"] + s.parts["trainable_weights"] + s.parts["quantized_weights"]
+        for s in stages
+    ]
+    st = speed["time"]
+    return grpo.price(cfg, world, weights, st.total, st.compute_s)

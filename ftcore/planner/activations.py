@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from ftcore.planner import cp
+from ftcore.planner import cp, mla
 from ftcore.planner.layers import split_layers
 from ftcore.planner.params import is_moe, lora_plan, moe_layer_count, padded_vocab
 from ftcore.planner.view import memo
@@ -74,6 +74,9 @@ class Shape:
     etp: int = 1
     routed: float = 1.0  # the busiest EP rank's routed tokens over the mean
     local_experts: int = 0  # experts per EP rank
+    shared_f: int = 0  # the shared experts' total width (DeepSeek-V3, GLM-4.5)
+    latent: int = 0  # MLA: q_lora + kv_lora, the latents its norms keep (planner/mla.py)
+    rope_k: int = 0  # MLA: the rotary key's width, gathered for every head
 
     def recomputes(self, module: str) -> bool:
         """Selective recompute of `module` (core_attn | mlp | layernorm): parallel.recompute_modules."""
@@ -122,6 +125,17 @@ def shape_of(cfg: DictConfig, micro_batch: int | None = None) -> Shape:
 def _shape_of(cfg: DictConfig, micro_batch: int | None) -> Shape:
     m, p, pr = cfg.model, cfg.parallel, cfg.precision
     d = m.kv_channels or m.hidden_size // m.num_attention_heads
+    q, kv, groups, latent = (
+        m.num_attention_heads * d,
+        m.num_query_groups * d,
+        m.num_query_groups,
+        {},
+    )
+    if mla.is_mla(m):  # q and k heads of nope + rope, v heads of v: kv is half of k + v
+        qk, v = mla.head_dims(m)
+        d, groups = qk, m.num_attention_heads
+        q, kv = groups * qk, groups * (qk + v) // 2
+        latent = {"latent": mla.latent_norms(m), "rope_k": int(m.qk_rope_head_dim)}
     te = cfg.cluster.device != "cpu"
     quant = bool(pr.fp8_recipe or pr.fp4_recipe)
     picks = True  # models/target_logits.py: applies() (a CP rank picks its own rows); not SP
@@ -134,11 +148,11 @@ def _shape_of(cfg: DictConfig, micro_batch: int | None) -> Shape:
         sl=cfg.data.seq_len // p.cp,
         b=(micro_batch or cfg.train.micro_batch_size) * rows_per_item(cfg),
         h=m.hidden_size,
-        q=m.num_attention_heads * d,
-        kv=m.num_query_groups * d,
+        q=q,
+        kv=kv,
         f=m.ffn_hidden_size,
         a=m.num_attention_heads,
-        g=m.num_query_groups,
+        g=groups,
         d=d,
         vocab=padded_vocab(m.vocab_size, p.tp),
         tp=p.tp,
@@ -167,6 +181,7 @@ def _shape_of(cfg: DictConfig, micro_batch: int | None) -> Shape:
         ),
         recompute_modules=tuple(getattr(p, "recompute_modules", ("core_attn",))),
         **moe,
+        **latent,
     )
 
 
@@ -192,6 +207,7 @@ def moe_fields(cfg) -> dict:
         etp=getattr(p, "etp", 1) or 1,
         routed=routed_factor(cfg),
         local_experts=m.num_experts // (getattr(p, "ep", 1) or 1),
+        shared_f=int(getattr(m, "moe_shared_expert_ffn_hidden_size", None) or 0),
     )
 
 
@@ -213,7 +229,12 @@ def moe_parts(sh: Shape) -> dict[str, int]:
     tm, r = moe_tokens(sh)
     ab, h, f, k, e = sh.ab, sh.h, sh.fe // sh.etp, sh.topk, sh.experts
     lin_b = 1 if sh.fp8 else ab
+    T, sf = sh.tokens, sh.shared_f // sh.tp  # the shared experts: a dense MLP of their width
+    keeps = sh.full or "linear_fc1" in sh.targets
     return {
+        "shared": (T * sh.hs * lin_b if keeps else 0) + 3 * T * sf * ab + T * sf * lin_b
+        if sf
+        else 0,
         "mlp_norm": tm * h * ab + tm * 4,
         "router": tm * h * 4 + tm * k * (8 + 4) + tm * e * (1 + 4) + tm * k * 8,
         "fc1": round(r * h * lin_b) if sh.full or "linear_fc1" in sh.targets else 0,
@@ -271,6 +292,8 @@ def layer_parts(sh: Shape) -> dict[str, int]:
         parts["fc1"] = ln_linear("linear_fc1")
         parts["swiglu"] = 2 * T * sh.f // t * ab
         parts["fc2"] = T * sh.f // t * lin_b if _keeps_input(sh, "linear_fc2") else 0
+    if sh.latent:  # MLA: the latents around their norms, the rotary key for every head
+        parts["latent"] = hs * T // sh.h * (2 * sh.latent * ab + 8) + T * sh.rope_k * ab
     # Adapters keep A·x for B's gradient: [s, b, r] per A after the column gather, [s(/tp), b, r]
     # after the row reduction.
     lora = [(module, n_a) for module, n_a in sh.lora_a]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from ftcore.planner import mla
 from ftcore.planner.activations import (
     MLP_LINEARS,
     moe_tokens,
@@ -35,6 +36,7 @@ from ftcore.planner.params import (
     moe_layer,
     moe_layer_count,
     padded_vocab,
+    shared_shapes,
 )
 from ftcore.planner.view import memo
 
@@ -51,15 +53,24 @@ def n_prime(cfg: DictConfig) -> int:
     if n_moe:
         dense = sum(o * i for k, (o, i) in linear_shapes(m, 1).items() if k in MLP_LINEARS)
         routed = m.moe_router_topk * sum(o * i for o, i in expert_shapes(m, 1).values())
-        n += n_moe * (m.num_experts * m.hidden_size + routed - dense)
+        shared = sum(o * i for o, i in shared_shapes(m, 1).values())  # every token's
+        n += n_moe * (m.num_experts * m.hidden_size + routed + shared - dense)
     return n
+
+
+def head_width(m) -> float:
+    """The head width of the attention FLOPs: q.k and the weighted values over it, each a
+    [s, d] x [d, s] per head; MLA's q/k heads (nope + rope) and value heads differ: their mean."""
+    if mla.is_mla(m):
+        qk, v = mla.head_dims(m)
+        return (qk + v) / 2
+    return m.kv_channels or m.hidden_size // m.num_attention_heads
 
 
 def attention_flops_per_token(cfg: DictConfig) -> float:
     """Causal attention, forward + backward, per token, all layers (model-FLOPs convention)."""
     m = cfg.model
-    d = m.kv_channels or m.hidden_size // m.num_attention_heads
-    return 6.0 * cfg.data.seq_len * m.num_attention_heads * d * m.num_layers
+    return 6.0 * cfg.data.seq_len * m.num_attention_heads * head_width(m) * m.num_layers
 
 
 def model_flops_per_token(cfg: DictConfig) -> float:
@@ -75,7 +86,7 @@ def attention_forward_flops(cfg: DictConfig) -> float:
     (2*cp load-balanced chunks) against keys over half the sequence on average, its heads/tp. The
     CPU's local spec computes every score, masked: twice that."""
     m, p = cfg.model, cfg.parallel
-    d = m.kv_channels or m.hidden_size // m.num_attention_heads
+    d = head_width(m)
     tokens = cfg.data.seq_len // p.cp * cfg.train.micro_batch_size * rows_per_item(cfg)
     fwd = 2.0 * tokens * cfg.data.seq_len * m.num_attention_heads * d / p.tp
     return fwd * (2 if cfg.cluster.device == "cpu" else 1)
@@ -116,6 +127,11 @@ def _moe_layer_flops(cfg, shapes, adapters_of, passes: int) -> tuple[float, floa
     )
     attn_ad = sum(n for t, n in adapters_of.items() if t not in MLP_LINEARS)
     experts = 2.0 * passes * routed * expert
+    shared = sum(o * i for o, i in shared_shapes(m, p.tp).values())  # every token, split over TP
+    attn += shared
+    sf = getattr(m, "moe_shared_expert_ffn_hidden_size", None)
+    attn_ad += sum(n for t, sl in plan.items() if t in MLP_LINEARS and sf
+                   for _, n in lora_params(m, t, sl, cfg.peft.r, p.tp, sf))  # fmt: skip
     gemm = 2.0 * passes * (sh.tokens * attn + tm * m.num_experts * m.hidden_size) + experts
     extra = 3 + (1 if p.recompute == "full" else 0)
     return gemm, 2.0 * extra * (sh.tokens * attn_ad + routed * expert_ad), experts

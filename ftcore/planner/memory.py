@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from ftcore.planner import activations as act
-from ftcore.planner import buffers, calibration, cp, userbuffers
+from ftcore.planner import buffers, calibration, cp, grpo, userbuffers
 from ftcore.planner.layers import split_layers
 from ftcore.planner.params import (
     chunk_runs,
@@ -147,9 +147,9 @@ def _model_state(cfg, pp_rank: int, dp: int, dp_rank: int) -> dict[str, int]:
     out["load_in_flight"] = max(lif_sum, lif_max)
     pb = act.DTYPE_BYTES[cfg.precision.params_dtype]
     out["reference"] = 0
-    if act.reference_forwards(cfg) and cfg.peft.name == "none":
+    if (act.reference_forwards(cfg) or grpo.frozen_reference(cfg)) and cfg.peft.name == "none":
         # full fine-tuning DPO: a frozen copy of the starting weights, sharded like the policy
-        # (training/dpo.py); LoRA's reference is the same model with its adapters off
+        # (training/objectives/dpo/); LoRA's reference is the same model with its adapters off
         out["reference"] = out["elements"] * pb
     out["weights"] = out["frozen"] + out["trainable"] + out["quantized_cache"] + out["reference"]
     return out
@@ -278,6 +278,8 @@ def stage_memory(
     recompute = act.recompute_transient(sh)
     cp_buffers = cp.transient_bytes(sh)
     activations = saved + pipe + mask + max(loss + logits, recompute + cp_buffers)
+    rollout = grpo.rollout_bytes(cfg, world, pp_rank)  # objective=grpo: KV cache, between updates
+    activations = max(activations, rollout)
     return StageMemory(
         pp_rank=pp_rank,
         layers=sum(split[pp_rank]),
@@ -304,6 +306,7 @@ def stage_memory(
             logits_transient=logits,
             recompute_transient=recompute,
             cp_transient=cp_buffers,
+            rollout_transient=rollout,
             elements=state["elements"],
             userbuffers=userbuffers.buffer_bytes(cfg),
         ),

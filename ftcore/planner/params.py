@@ -11,7 +11,10 @@ A mixture-of-experts layer (model.num_experts set, the layer not in model.moe_de
 after its attention and pre-MLP norm, the router ([experts, hidden], replicated over TP) and this
 EP rank's experts (num_experts / ep of them, each an fc1/fc2 pair split over etp, in megatron's
 SequentialMLP order); expert parameters (and their adapters) are `expert=True`: megatron keeps
-them in buffers of their own, reduced over the expert data-parallel group (memory.py).
+them in buffers of their own, reduced over the expert data-parallel group (memory.py). DeepSeek-V3's
+and GLM-4.5's shared experts follow the experts as one dense MLP of their total width, split over
+TP (not expert parameters); multi-head latent attention's linears and norms replace q/k/v
+(planner/mla.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import NamedTuple
 from omegaconf import DictConfig
 
 from ftcore.config.families import family
+from ftcore.planner import mla
 from ftcore.planner.layers import split_layers
 
 # The Hugging Face slices of each megatron linear, in fused order (as ftcore.peft.config.SLICES).
@@ -29,8 +33,17 @@ SLICES = {
     "linear_proj": ("o_proj",),
     "linear_fc1": ("gate_proj", "up_proj"),
     "linear_fc2": ("down_proj",),
+    "linear_q_proj": ("q_proj",),  # multi-head latent attention (planner/mla.py)
+    "linear_q_down_proj": ("q_a_proj",),
+    "linear_q_up_proj": ("q_b_proj",),
+    "linear_kv_down_proj": ("kv_a_proj_with_mqa",),
+    "linear_kv_up_proj": ("kv_b_proj",),
 }
-HF_TO_MEGATRON = {s: m for m, slices in SLICES.items() for s in slices}
+HF_TO_MEGATRON = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv",
+                  "o_proj": "linear_proj", "gate_proj": "linear_fc1", "up_proj": "linear_fc1",
+                  "down_proj": "linear_fc2", "q_a_proj": "linear_q_down_proj",
+                  "q_b_proj": "linear_q_up_proj", "kv_a_proj_with_mqa": "linear_kv_down_proj",
+                  "kv_b_proj": "linear_kv_up_proj"}  # fmt: skip
 LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ROW_PARALLEL = ("linear_proj", "linear_fc2")  # input split over TP; the others split their output
 
@@ -58,12 +71,13 @@ def lora_plan(cfg: DictConfig) -> dict[str, dict[str, str]]:
     if cfg.peft.name not in ("lora", "qlora"):
         return {}
     plan: dict[str, dict[str, str]] = {}
+    mla_q = "linear_q_proj" if mla.is_mla(cfg.model) else "linear_qkv"  # MLA's q_proj: one linear
     for t in map(str, cfg.peft.target_modules):
         if t in SLICES:
             shared = t if len(SLICES[t]) > 1 else SLICES[t][0]
             pairs = [(t, s, shared) for s in SLICES[t]]
         else:
-            pairs = [(HF_TO_MEGATRON.get(t, t), t, t)]
+            pairs = [(mla_q if t == "q_proj" else HF_TO_MEGATRON.get(t, t), t, t)]
         for module, s, key in pairs:
             plan.setdefault(module, {})[s] = key
     return {m: plan[m] for m in SLICES if m in plan}
@@ -75,7 +89,7 @@ def lora_targets(cfg: DictConfig) -> list[str]:
 
 
 def linear_shapes(m: DictConfig, tp: int) -> dict[str, tuple[int, int]]:
-    """(out, in) of each layer linear on one TP rank."""
+    """(out, in) of each layer linear on one TP rank (MLA's in place of q/k/v: planner/mla.py)."""
     d = m.kv_channels or m.hidden_size // m.num_attention_heads
     q, kv, h, f = (
         m.num_attention_heads * d,
@@ -83,12 +97,20 @@ def linear_shapes(m: DictConfig, tp: int) -> dict[str, tuple[int, int]]:
         m.hidden_size,
         m.ffn_hidden_size,
     )
-    return {
-        "linear_qkv": ((q + 2 * kv) // tp, h),
-        "linear_proj": (h, q // tp),
-        "linear_fc1": (2 * f // tp, h),
-        "linear_fc2": (h, f // tp),
-    }
+    attention = {"linear_qkv": ((q + 2 * kv) // tp, h), "linear_proj": (h, q // tp)}
+    if mla.is_mla(m):
+        attention = mla.attention_linears(m, tp)
+    return {**attention, "linear_fc1": (2 * f // tp, h), "linear_fc2": (h, f // tp)}
+
+
+def shared_shapes(m, tp: int) -> dict[str, tuple[int, int]]:
+    """(out, in) of the shared experts' fc1 and fc2 on one TP rank ({} without shared experts)."""
+    f = int(getattr(m, "moe_shared_expert_ffn_hidden_size", None) or 0)
+    return (
+        {"linear_fc1": (2 * f // tp, m.hidden_size), "linear_fc2": (m.hidden_size, f // tp)}
+        if f
+        else {}
+    )
 
 
 def is_moe(m) -> bool:
@@ -116,6 +138,8 @@ def expert_shapes(m, etp: int) -> dict[str, tuple[int, int]]:
 
 def slice_out_in(m: DictConfig, name: str, ffn: int | None = None) -> tuple[int, int]:
     """Full (out, in) of one Hugging Face slice (`ffn`: an expert's width instead of the MLP's)."""
+    if mla.is_mla(m) and mla.slice_out_in(m, name) is not None:
+        return mla.slice_out_in(m, name)
     d = m.kv_channels or m.hidden_size // m.num_attention_heads
     h, f = m.hidden_size, ffn or m.ffn_hidden_size
     q, kv = m.num_attention_heads * d, m.num_query_groups * d
@@ -130,14 +154,15 @@ def lora_params(
 ) -> list[tuple[str, int]]:
     """(name, elements on one TP rank) of a linear's adapters, A's then B's as registered.
     Column-parallel base: A (r x in) replicated, B (slice_out/tp x r). Row-parallel base:
-    A (r x in/tp), B (out x r) replicated."""
+    A (r x in/tp), B (out x r) replicated. MLA's down projections: both whole."""
     column = module not in ROW_PARALLEL
+    whole = module in mla.REPLICATED
     a_out, b_out = [], []
     for s, key in slices.items():
         out, inp = slice_out_in(m, s, ffn)
         if key not in [k for k, _ in a_out]:
             a_out.append((key, r * (inp if column else inp // tp)))
-        b_out.append((s, (out // tp if column else out) * r))
+        b_out.append((s, (out // tp if column and not whole else out) * r))
     return [(f"lora_A.{k}", n) for k, n in a_out] + [(f"lora_B.{k}", n) for k, n in b_out]
 
 
@@ -159,6 +184,11 @@ def _expert_template(cfg: DictConfig) -> list[tuple[str, int, bool, str, bool]]:
             out.append((pre, o * i, full, "linear", True))
             for pname, n in lora_params(m, name, plan.get(name, {}), cfg.peft.r, etp, f):
                 out.append((f"{pre}.{pname}", n, True, "lora", True))
+    sf = getattr(m, "moe_shared_expert_ffn_hidden_size", None)
+    for name, (o, i) in shared_shapes(m, p.tp).items():  # a dense MLP of their width, over TP
+        out.append((f"mlp.shared_experts.{name}", o * i, full, "linear", False))
+        for pname, n in lora_params(m, name, plan.get(name, {}), cfg.peft.r, p.tp, sf):
+            out.append((f"mlp.shared_experts.{name}.{pname}", n, True, "lora", False))
     return out
 
 
@@ -175,9 +205,11 @@ def _layer_template(
     fam = family(m)
     d = m.kv_channels or m.hidden_size // m.num_attention_heads
     out = [("input_layernorm", h, full, "norm", False)]
-    for name in ("linear_proj", "linear_qkv", "linear_fc1", "linear_fc2"):
+    for name in shapes:  # the attention's linears (linear_proj first), then fc1 and fc2
         if name == "linear_fc1":
-            if fam.qk_layernorm:  # replicated over TP: one [head_dim] weight each
+            if mla.is_mla(m):  # the q and kv latents' norms, replicated
+                out.append(("latent_layernorms", mla.latent_norms(m), full, "norm", False))
+            elif fam.qk_layernorm:  # replicated over TP: one [head_dim] weight each
                 out += [
                     ("q_layernorm", d, full, "norm", False),
                     ("k_layernorm", d, full, "norm", False),
@@ -290,33 +322,65 @@ def active_params(cfg: DictConfig) -> int:
 def _count(cfg: DictConfig, active: bool) -> int:
     m = cfg.model
     h = m.hidden_size
+    attn, dense_mlp, moe_mlp = _layer_counts(cfg, active)
+    n_moe = moe_layer_count(m)
+    total = m.num_layers * attn + (m.num_layers - n_moe) * dense_mlp + n_moe * moe_mlp
+    emb = m.vocab_size * h
+    return total + emb * (1 if m.tie_embeddings else 2) + h
+
+
+def _layer_counts(cfg: DictConfig, active: bool) -> tuple[int, int, int]:
+    """Unsharded elements of one layer's attention side (its norm included), of a dense MLP side
+    and of a MoE MLP side (pre-MLP norm, router, every or the top-k experts, the shared experts,
+    the expert bias), adapters included."""
+    m = cfg.model
+    h = m.hidden_size
     base = linear_shapes(m, 1)
     fam = family(m)
     d = m.kv_channels or h // m.num_attention_heads
-    attn = 2 * h + base["linear_qkv"][0] * base["linear_qkv"][1]
-    attn += base["linear_proj"][0] * base["linear_proj"][1]
-    attn += base["linear_qkv"][0] if fam.qkv_bias else 0
-    attn += 2 * d if fam.qk_layernorm else 0
+    mlp_keys = ("linear_fc1", "linear_fc2")
+    attn = h + sum(o * i for k, (o, i) in base.items() if k not in mlp_keys)
+    if mla.is_mla(m):
+        attn += mla.latent_norms(m)
+    else:
+        attn += base["linear_qkv"][0] if fam.qkv_bias else 0
+        attn += 2 * d if fam.qk_layernorm else 0
     plan = lora_plan(cfg)
     lora = {t: sum(n for _, n in lora_params(m, t, sl, cfg.peft.r, 1)) for t, sl in plan.items()}
-    attn += sum(n for t, n in lora.items() if t in ("linear_qkv", "linear_proj"))
-    dense_mlp = sum(o * i for t, (o, i) in base.items() if t in ("linear_fc1", "linear_fc2"))
-    dense_mlp += sum(n for t, n in lora.items() if t in ("linear_fc1", "linear_fc2"))
-    n_moe = moe_layer_count(m)
-    total = m.num_layers * attn + (m.num_layers - n_moe) * dense_mlp
-    if n_moe:
-        f = m.moe_ffn_hidden_size or m.ffn_hidden_size
-        expert = sum(o * i for o, i in expert_shapes(m, 1).values())
-        expert += sum(
-            n
-            for t, sl in plan.items()
-            if t in ("linear_fc1", "linear_fc2")
-            for _, n in lora_params(m, t, sl, cfg.peft.r, 1, f)
-        )
-        experts = m.moe_router_topk if active else m.num_experts
-        total += n_moe * (m.num_experts * h + experts * expert)
-    emb = m.vocab_size * h
-    return total + emb * (1 if m.tie_embeddings else 2) + h
+    attn += sum(n for t, n in lora.items() if t not in mlp_keys)
+    dense_mlp = h + sum(o * i for t, (o, i) in base.items() if t in mlp_keys)
+    dense_mlp += sum(n for t, n in lora.items() if t in mlp_keys)
+    if not is_moe(m):
+        return attn, dense_mlp, 0
+
+    def mlp_lora(ffn) -> int:
+        return sum(n for t, sl in plan.items() if t in mlp_keys
+                   for _, n in lora_params(m, t, sl, cfg.peft.r, 1, ffn))  # fmt: skip
+
+    f = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    expert = sum(o * i for o, i in expert_shapes(m, 1).values()) + mlp_lora(f)
+    experts = m.moe_router_topk if active else m.num_experts
+    moe_mlp = h + m.num_experts * h + experts * expert
+    sf = getattr(m, "moe_shared_expert_ffn_hidden_size", None)
+    if sf:  # the shared experts (their adapters: the MLP's targets), always active
+        moe_mlp += sum(o * i for o, i in shared_shapes(m, 1).values()) + mlp_lora(sf)
+    moe_mlp += (
+        m.num_experts if getattr(m, "moe_router_expert_bias", None) else 0
+    )  # a buffer, in the file
+    return attn, dense_mlp, moe_mlp
+
+
+def mtp_params(cfg: DictConfig) -> int:
+    """The multi-token-prediction layers a checkpoint carries (model.mtp_layers; not built, not
+    trained, copied into the export: hf/carried.py), as DeepSeek-V3 publishes them: a layer like
+    the last (MoE), the projection of [embedding; hidden] (2h x h), three norms, and its own
+    copies of the embedding and the head."""
+    m = cfg.model
+    n = int(getattr(m, "mtp_layers", None) or 0)
+    attn, dense_mlp, moe_mlp = _layer_counts(cfg, active=False)
+    layer = attn + (moe_mlp if is_moe(m) else dense_mlp)
+    h = m.hidden_size
+    return n * (layer + 2 * h * h + 3 * h + 2 * m.vocab_size * h)
 
 
 # model.init_method=auto draws each rank's shard on its GPU from this model size on (base + adapters,

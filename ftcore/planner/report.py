@@ -8,6 +8,12 @@ TERMS = ("weights", "grads", "optimizer", "activations", "reserve", "load_peak",
 def _params_line(p: dict) -> str:
     par = p["params"]
     line = f"params: {par['total'] / 1e9:.2f} B total, {par['active'] / 1e9:.2f} B active per token"
+    if "base" in par and par["base"] != par["total"]:
+        line += f" (the base model {par['base'] / 1e9:.2f} B, the rest adapters)"
+    if "mtp" in par:
+        line += (f"; the checkpoint's multi-token-prediction layers {par['mtp'] / 1e9:.2f} B more "
+                 f"({(par['base'] + par['mtp']) / 1e9:.2f} B with them), carried into the export, "
+                 "not built")  # fmt: skip
     if "moe" in par:
         e = par["moe"]
         line += (
@@ -84,6 +90,7 @@ def table(
         f"speed: {p['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, {p['model_tflops_per_gpu']:.0f} model "
         f"TFLOP/s/GPU, MFU {100 * p['mfu']:.1f}% ({p['mfu_basis']}); step {p['step_time_s']:.2f} s = "
         + ", ".join(f"{k} {v:.3f}" for k, v in p["step_time_parts_s"].items() if v),
+        *_grpo_lines(p),
         "what the numbers rest on:",
         *(f"  {k.replace('_', ' ')}: {v}" for k, v in p["labels"].items()),
     ]
@@ -116,3 +123,25 @@ def table(
                       f"(add cluster.num_gpus={n} to the overrides):"]  # fmt: skip
             lines += _search_rows(fewest["rows"], moe)
     return "\n".join(lines)
+
+
+def _grpo_lines(p: dict) -> list[str]:
+    """objective=grpo: the step's rollout, forward-only passes and update apart (planner/grpo.py)."""
+    g = p.get("grpo")
+    if g is None:
+        return []
+    mu, lens = g["num_iterations"], g["priced_lengths"]
+    cache = (
+        "no KV cache (sequence parallelism): the prefix recomputed per token"
+        if g["kv_cache_recomputed"]
+        else "KV cache"
+    )
+    return [
+        f"grpo step {g['step_time_s']:.2f} s = rollout {g['rollout_s']:.2f} s / {mu} + forward-only "
+        f"passes {g['forward_only_s']:.2f} s / {mu} ({g['forward_only_passes']}: reference, old "
+        f"log-probs) + update {g['update_s']:.2f} s; the rollout is {100 * g['rollout_share']:.0f}% "
+        f"of a step",
+        f"  rollout: {g['completions_per_replica']} completions per replica, prompts read in "
+        f"{g['prefill_s']:.2f} s, then {1000 * g['decode_token_s']:.1f} ms per token ({cache}); "
+        f"priced at prompt {lens['prompt']} + completion {lens['completion']} tokens (an upper bound)",
+    ]

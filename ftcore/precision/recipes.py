@@ -337,7 +337,7 @@ def layer_spec(cfg: DictConfig):
     from ftcore.config.families import family
 
     return get_gpt_layer_with_transformer_engine_spec(
-        num_experts=None, qk_layernorm=family(cfg.model).qk_layernorm
+        num_experts=None, **family(cfg.model).spec_flags
     )
 
 

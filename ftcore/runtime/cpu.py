@@ -75,6 +75,10 @@ class CudaOnCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = _target
+        if (
+            func is torch.device and args and _is_cuda_device(args[0])
+        ):  # e.g. `with torch.device(0)`
+            return torch.device(_target)  # (megatron's YaRN rotary module for MLA)
         if func is torch.Tensor.cuda:  # on a GPU .cuda() moves the tensor; on the CPU it stays
             return args[0] if _target == "cpu" else args[0].to(_target)
         if func is torch.Tensor.to:

@@ -3,7 +3,7 @@
 - under torchrun (RANK/WORLD_SIZE set) or srun (SLURM_PROCID with MASTER_ADDR set): join;
 - alone with `launcher.nproc_per_node > 1`: start that many workers (runtime/local_launch.py) and
   wait for them; a stop signal is forwarded, the first failure stops all;
-- alone with one worker: a one-process group on a store bound to a port the kernel picks.
+- alone with one worker: a one-process group on an in-process store (no TCP listener).
 Then megatron's parallel state (tp, pp, vp, cp; dp is whatever is left).
 """
 
@@ -78,23 +78,36 @@ def launch_standalone(
 ) -> int | None:
     """The entry points' first step. Under torchrun/srun: None (run as this rank). Alone: `check(cfg,
     nproc)` (the entry point's config checks, validate.check_for_launch) before megatron is imported
-    or any worker starts, so bad input exits 2 fast; then None for one process, or start
+    or any worker starts, so bad input exits 2 fast; training then locks its run.dir
+    (runtime/run_lock.py: exit 2 if a live run uses it); then None for one process, or start
     `launcher.nproc_per_node` workers of `python -m module` with one run.dir for all ranks and
     return their exit status."""
     if under_launcher():
         return None
     nproc = cfg.launcher.nproc_per_node
     check(cfg, nproc)
+    from ftcore.runtime import run_lock
+
+    training = module == "ftcore.train"  # eval and generate write no checkpoints: no lock
+    run_dir = decide_run_dir(cfg, module.rsplit(".", 1)[-1])
     if nproc == 1:
+        if training:  # exit 2 naming the holder if a live run uses run.dir; the entry point
+            cfg.run.dir = run_dir  # releases it (train.py)
+            run_lock.acquire(run_dir)
         return None
     argv = [a for a in sys.argv[1:] if not a.startswith("run.dir=")]
-    argv.append(f"run.dir={decide_run_dir(cfg, module.rsplit('.', 1)[-1])}")
-    return launch_local_workers(module, argv, nproc, cfg)
+    argv.append(f"run.dir={run_dir}")
+    lock = run_lock.acquire(run_dir) if training else None  # the workers inherit it
+    try:
+        return launch_local_workers(module, argv, nproc, cfg, lock)
+    finally:
+        run_lock.release()
 
 
-def launch_local_workers(module: str, argv: list[str], nproc: int, cfg=None) -> int:
+def launch_local_workers(module: str, argv: list[str], nproc: int, cfg=None, lock=None) -> int:
     """Start `python -m module argv` as `nproc` local ranks (runtime/local_launch.py); return the
-    exit status: a worker's own 2 (user error) or 3 (saved, requeue) becomes ours."""
+    exit status: a worker's own 2 (user error) or 3 (saved, requeue) becomes ours. `lock`: the
+    run directory's (runtime/run_lock.py), which the workers inherit."""
     from ftcore.runtime import local_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads(nproc)))
@@ -107,7 +120,7 @@ def launch_local_workers(module: str, argv: list[str], nproc: int, cfg=None) -> 
         # shown once, as the last line on screen.
         os.environ[ERROR_DIR_ENV] = errors
         try:
-            return local_launch.run(module, argv, nproc, Path(errors))
+            return local_launch.run(module, argv, nproc, Path(errors), lock=lock)
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)
 
@@ -120,12 +133,15 @@ def init_distributed(cfg: DictConfig) -> DistInfo:
     the group exists: NCCL's object collectives and barriers use the current device."""
     global _comm_device
     _env_from_slurm()
-    # Alone: the store env:// would make, but on a port the kernel picks as it binds. (A port picked
-    # free first and bound later can be taken in between by another process: EADDRINUSE.)
+    # Alone: an in-process store, no TCP listener at all (torch's TCPStore listens on every
+    # interface, unauthenticated), and gloo's own sockets on the loopback interface.
     store = None
     if "RANK" not in os.environ:
+        from ftcore.runtime.local_launch import loopback_env
+
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+        os.environ.update(loopback_env(dict(os.environ)))
+        store = dist.HashStore()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))

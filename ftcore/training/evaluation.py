@@ -1,10 +1,11 @@
 """The one evaluation loop: training's validation loss (metrics.jsonl `eval_loss`), `ftcore.eval`
 and the benchmarks' eval loss all come from `evaluate`.
 
-The loss is the token-weighted mean next-token cross entropy over the given global batches: each
-batch's loss sum and target-token count are summed over the whole world (step.run_batches), and
-the mean is their ratio, so every target token weighs the same whatever the layout (TP, PP, DP,
-micro-batching, packing) and every rank returns the same numbers.
+The loss is the objective's (training/objectives/): for SFT the token-weighted mean next-token cross
+entropy over the given global batches (each batch's loss sum and target-token count are summed
+over the whole world, step.run_batches, so every target token weighs the same whatever the layout:
+TP, PP, DP, micro-batching, packing), for DPO the mean over the pairs of all batches; every rank
+returns the same numbers.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from ftcore.data.pipeline import build_val_batches
-from ftcore.training.step import run_batches
+from ftcore.training import objectives
 
 
 @dataclass(frozen=True)
@@ -36,32 +37,22 @@ def held_out_batches(state, path: str | None = None) -> list:
 
 def evaluate(state, batches: list) -> EvalResult:
     """Forward only over `batches` (each a list of micro-batches), the model in eval mode and put
-    back in training mode after."""
+    back in training mode after. Each batch's loss is a mean over what its objective counts
+    (target tokens, pairs: objectives/base.py), so the batches are weighed by those counts."""
+    objective = state.extra.get("objective") or objectives.of(state.cfg)
     for chunk in state.model:
         chunk.eval()
-    total, tokens = 0.0, 0.0
+    count, tokens, sums = 0.0, 0, {}
     try:
         with torch.no_grad():
-            if state.cfg.objective.name == "dpo":
-                return _evaluate_pairs(state, batches)
             for microbatches in batches:
-                s, n = run_batches(state, microbatches, forward_only=True)
-                total, tokens = total + s, tokens + n
+                r = objective.run(state, microbatches, forward_only=True)
+                count, tokens = count + r.count, tokens + r.tokens
+                for k, v in {"loss": r.loss, **r.metrics}.items():
+                    sums[k] = sums.get(k, 0.0) + v * r.count
     finally:
         for chunk in state.model:
             chunk.train()
-    return EvalResult(loss=total / max(tokens, 1.0), tokens=int(tokens))
-
-
-def _evaluate_pairs(state, batches: list) -> EvalResult:
-    """objective=dpo: every value a mean over the pairs of all batches."""
-    from ftcore.training.dpo import run_pairs
-
-    pairs, tokens, sums = 0, 0, {}
-    for microbatches in batches:
-        r = run_pairs(state, microbatches, forward_only=True)
-        pairs, tokens = pairs + r.pairs, tokens + r.tokens
-        for k, v in {"loss": r.loss, **r.metrics}.items():
-            sums[k] = sums.get(k, 0.0) + v * r.pairs
-    means = {k: v / max(pairs, 1) for k, v in sums.items()}
+    means = {k: v / max(count, 1.0) for k, v in sums.items()}
+    pairs = int(count) if objective.unit == "pairs" else 0
     return EvalResult(loss=means.pop("loss", 0.0), tokens=tokens, pairs=pairs, metrics=means)

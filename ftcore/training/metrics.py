@@ -116,7 +116,7 @@ class MetricsWriter:
                 log.info(
                     "step %d/%d | loss %.4f | grad_norm %.3f | lr %.3e | %.0f tok/s | %.2f s/step%s",
                     step, self.total, record["loss"], record["grad_norm"], record["lr"],
-                    record["tokens_per_s"], record["step_time_s"], more,
+                    record["tokens_per_s"], record["step_time_s"], rollout_fields(record) + more,
                 )  # fmt: skip
             self._router_collapse(record)
         else:
@@ -158,6 +158,15 @@ def objective_fields(record: dict) -> str:
     if "expert_load_max_over_mean" in record:
         out += f" | expert load {record['expert_load_max_over_mean']:.2f}"
     return out
+
+
+def rollout_fields(record: dict) -> str:
+    """objective=grpo's part of the step line: the rollout's seconds and the update's apart, and
+    the mean reward on the steps that sampled a rollout."""
+    if "rollout_time_s" not in record:
+        return ""
+    out = f" (rollout {record['rollout_time_s']:.2f} s, update {record['update_time_s']:.2f} s)"
+    return out + (f" | reward {record['reward']:.3f}" if "reward" in record else "")
 
 
 class StepTimer:

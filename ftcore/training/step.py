@@ -101,7 +101,7 @@ def lm_loss(whole: MicroBatch, mb: MicroBatch, vocab_size: int, rows):
 
 def forward_step(data_iterator, model, make_loss=lm_loss):
     """One micro-batch through this stage's chunk; the loss only on the last stage
-    (`make_loss(whole, mb, vocab, rows)` builds it: the LM loss, or DPO's, training/dpo.py).
+    (`make_loss(whole, mb, vocab, rows)` builds it: the LM loss, DPO's or GRPO's, training/objectives/).
 
     On CPU (local attention) packed documents are kept apart by a block-diagonal causal mask; on
     GPU with Transformer Engine, packed rows go in as THD (cu_seqlens) and plain rows as causal.

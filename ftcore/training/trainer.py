@@ -6,7 +6,6 @@ import logging
 import math
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,13 +16,13 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from omegaconf import DictConfig, OmegaConf
 
 from ftcore.errors import FtcoreError, StopRequested
-from ftcore.runtime import collectives, cpu, safe_files, signals
+from ftcore.runtime import collectives, cpu, run_lock, safe_files, signals
 from ftcore.runtime import dist as rdist
 from ftcore.training import metrics as metrics_mod
-from ftcore.training import moe_metrics, optim, overlap
+from ftcore.training import moe_metrics, objectives, optim, overlap
 from ftcore.training.evaluation import evaluate
-from ftcore.training.step import is_data_rank, reduce_sums, run_batches
-from ftcore.training.timing import DATA, FWD_BWD, GRAD_SYNC, OPTIMIZER, timed
+from ftcore.training.step import is_data_rank, reduce_sums, run_batches  # noqa: F401 (tests call it here)
+from ftcore.training.timing import FWD_BWD, GRAD_SYNC, OPTIMIZER, timed
 
 log = logging.getLogger("ftcore")
 
@@ -72,9 +71,8 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # before the process group
     formats.resolve(cfg, say=rank == "0", kind=kind)  # data.format=auto: what the records show
     adapt(cfg, training=training, say=rank == "0")
-    o = cfg.objective
-    if o.name == "dpo" and o.ref_adapter_path and not cfg.peft.adapter_path:
-        cfg.peft.adapter_path = o.ref_adapter_path  # the policy starts as the reference (TRL)
+    objective = objectives.of(cfg)  # sft, dpo or grpo: one room each (training/objectives/)
+    objective.prepare(cfg)
     # 2. Validate in the pinned order before anything heavy exists.
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     dp = checks.validate(cfg, launched, training=training)  # eval/generate: as checked at launch
@@ -91,10 +89,13 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     torch.manual_seed(cfg.run.seed)
     with cpu.device_mode():
         model_parallel_cuda_manual_seed(cfg.run.seed)
-    # 5. One run directory for all ranks (created at step 12, once setup has succeeded).
+    # 5. One run directory for all ranks (written at step 12, once setup has succeeded), locked
+    #    for this run: a live run in it already is exit 2 naming its pid, host and start time.
     cfg.run.dir = collectives.broadcast_object(rdist.decide_run_dir(cfg, kind))
     run_dir = Path(cfg.run.dir)
     safe_files.check_run_dir(run_dir)  # no link among its entries: ftcore writes and deletes there
+    if training:
+        _lock_run_dir(run_dir, info.rank)
     state = TrainState(cfg=cfg, info=info, run_dir=run_dir, dp=dp)
     # 6. Tokenizer (its vocab size is the model's unpadded vocab).
     state.tokenizer = load_tokenizer(cfg)
@@ -121,24 +122,22 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
         from ftcore.hf.io import load_weights
 
         load_weights(cfg, chunks)
+    moe_routing.remember_bias(chunks)  # expert_bias_shift is measured from here (docs/deepseek.md)
     # 8. PEFT adapters (freezes the base) before DDP, so only adapters get grad buffers.
     if cfg.peft.name != "none":
         from ftcore.peft.lora import apply_peft
 
         apply_peft(cfg, chunks, say=training)  # the trainable-parameter count, when training
-    if cfg.objective.name == "dpo":  # the reference: in the policy (LoRA) or a frozen copy
-        from ftcore.training.dpo import build_reference
-
-        precompute = cfg.objective.precompute_ref and training and data
-        state.extra["reference"] = build_reference(cfg, chunks, precompute)
-        if info.rank == 0:
-            log.info("DPO reference: %s", _reference_said(cfg, precompute))
+    objective.build(state, chunks, training=training, data=data)  # a reference, reward functions
+    state.extra["objective"] = objective
     # 9. Data: this DP rank's shard of a layout-independent global order. Before the schedule:
     #    with train.epochs, the step count comes from the data size.
     dp_rank = ps.get_data_parallel_rank()
     if data:
-        state.loader = build_train_loader(cfg, state.tokenizer, dp_rank, dp)
-        set_steps_from_epochs(cfg, state.loader.report["rows"], state.loader)
+        state.loader = objective.loader(state, dp_rank, dp)
+        if state.loader is None:  # the data pipeline's stream of rows
+            state.loader = build_train_loader(cfg, state.tokenizer, dp_rank, dp)
+            set_steps_from_epochs(cfg, state.loader.report["rows"], state.loader)
         if cfg.eval.interval > 0:
             state.val_batches = build_val_batches(cfg, state.tokenizer, dp_rank, dp)
     # 10. megatron DDP, optimizer over trainable params, LR schedule.
@@ -146,18 +145,12 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     state.optimizer = build_optimizer(cfg, state.model)
     state.scheduler = build_scheduler(cfg, state.optimizer)
     _wire_model_config(state)
-    if cfg.objective.name == "dpo" and cfg.objective.precompute_ref and training and data:
-        from ftcore.training import ref_store
-
-        ref_store.attach(state)  # the starting weights' log-probs, before a restore
+    objective.before_resume(state, training=training, data=data)  # dpo: precompute_ref's pass
     # 11. Resume (model, optimizer, schedule, data position, RNG) from checkpoints/latest: its
     #     refusals (another model, PEFT mode, data position) come before anything is written.
     #     (Stop-request handlers are installed by fit(), for exactly as long as it checks them.)
     store.maybe_resume(state)
-    if training and data and cfg.objective.name == "dpo" and cfg.objective.precompute_ref:
-        from ftcore.training import ref_store
-
-        ref_store.save(state)  # the stored first pass, now that nothing can refuse the run
+    objective.after_resume(state, training=training, data=data)  # dpo: precompute_ref's file
     # 12. The run directory and its config.yaml, only now: a run that fails above writes nothing.
     #     generate writes nothing at all (its output is the text); eval its eval.json later.
     if info.rank == 0 and kind == "train":
@@ -167,15 +160,20 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     return state
 
 
-def _reference_said(cfg: DictConfig, precompute: bool) -> str:
-    if precompute:
-        return "the starting weights' log-probs, stored by a first pass (objective.precompute_ref)"
-    if cfg.peft.name == "none":
-        return "a frozen copy of the starting weights"
-    ref = cfg.objective.ref_adapter_path
-    if ref:
-        return f"the base plus objective.ref_adapter_path={ref} (loaded; the policy starts from it)"
-    return "the base with the adapters off"
+def _lock_run_dir(run_dir: Path, rank: int) -> None:
+    """Collective: rank 0 locks `run_dir` for this run (runtime/run_lock.py) unless this process
+    or its launcher holds the lock already; a refusal is raised on every rank, so that they all
+    exit 2 with the same line."""
+    refused = None
+    if rank == 0 and not run_lock.held(run_dir):
+        run_lock.release()  # an earlier run's, in this process (tests build several in one)
+        try:
+            run_lock.acquire(run_dir)
+        except FtcoreError as e:
+            refused = str(e)
+    refused = collectives.broadcast_object(refused)
+    if refused is not None:
+        raise FtcoreError(refused)
 
 
 def _wire_model_config(state: TrainState) -> None:
@@ -198,30 +196,16 @@ def _finalize_grads(model: list, *args, **kwargs) -> None:
 def train_step(state: TrainState) -> dict:
     """One optimizer step; its phases are timed into state.timers when set (timing.py)."""
     cfg, timers = state.cfg, state.timers
-    with timed(timers, DATA):
-        microbatches = state.loader.next_microbatches()
+    objective = state.extra["objective"]
+    microbatches, times = objective.batch(state, timers)  # grpo: a rollout when one is due
+    t_update = time.perf_counter()
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
     moe = moe_metrics.is_moe(state.model)
-    metrics = {}
-    with timed(timers, FWD_BWD):
-        if cfg.objective.name == "dpo":  # mean over pairs; rewards/*, logps/* (training/dpo.py)
-            from ftcore.training.dpo import run_pairs
-
-            res = run_pairs(state, microbatches, forward_only=False, timers=timers)
-            loss, target_tokens, metrics = res.loss, res.tokens, res.metrics
-        else:
-            scaled = (
-                moe_metrics.scaled_step(state, microbatches, is_data_rank())
-                if moe
-                else nullcontext()
-            )
-            with scaled:
-                loss_sum, target_tokens = run_batches(
-                    state, microbatches, forward_only=False, timers=timers
-                )
-            loss = loss_sum / max(target_tokens, 1.0)
+    with timed(timers, FWD_BWD):  # the loss: its own and TRL's metrics (dpo, grpo)
+        res = objective.run(state, microbatches, forward_only=False, timers=timers)
+    loss, target_tokens, metrics = res.loss, res.tokens, dict(res.metrics)
     if moe:
         metrics.update(moe_metrics.collect(state))  # aux_loss, expert load (docs/moe.md)
     if not math.isfinite(loss):
@@ -249,12 +233,14 @@ def train_step(state: TrainState) -> dict:
             }
     (tokens,) = reduce_sums([float(sum(mb.num_tokens for mb in microbatches))], is_data_rank())
     state.consumed_samples += cfg.train.global_batch_size
+    if "update_time_s" in times:  # grpo: the rollout and the update apart (the step line)
+        times["update_time_s"] += time.perf_counter() - t_update
     return {
         "loss": loss,
         "grad_norm": norm,
         "tokens": int(tokens),
         "target_tokens": int(target_tokens),
-        "metrics": metrics,
+        "metrics": {**times, **metrics},
     }
 
 

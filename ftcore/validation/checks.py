@@ -21,7 +21,15 @@ CHOICES = {
     "model.init_method": ("auto", "layout_independent", "sharded"),
     "model.family": tuple(FAMILIES),
     "peft.name": ("none", "lora", "qlora"),
-    "data.format": ("auto", "instruction", "chat", "prompt_completion", "text", "preference"),
+    "data.format": (
+        "auto",
+        "instruction",
+        "chat",
+        "prompt_completion",
+        "text",
+        "preference",
+        "prompt",
+    ),
     "data.truncate": ("right", "drop"),
     "data.on_bad_record": ("error", "skip"),
     "logger.wandb.mode": ("disabled", "offline", "online"),
@@ -341,6 +349,9 @@ def check_layout(
     from ftcore.data.formats import check_preference
 
     check_preference(cfg)  # preference pairs go with objective=dpo, and it with them
+    from ftcore.data.formats import check_prompts
+
+    check_prompts(cfg)  # prompt-only records go with objective=grpo, and it with them
     from ftcore.validation.moe_checks import check_moe
 
     check_moe(cfg, world_size_of(cfg, launched), training=training)  # ep, etp: docs/moe.md

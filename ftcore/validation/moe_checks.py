@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from ftcore.config.families import family
 from ftcore.errors import FtcoreError
-from ftcore.hf.moe_config import MOE_FAMILIES
+from ftcore.hf.moe_config import BIASED, MOE_FAMILIES
 
 DISPATCHERS = ("alltoall",)  # the one ftcore tests (megatron's allgather/flex are not)
 ROUTER_DTYPES = ("fp32", "fp64")
@@ -23,7 +24,91 @@ def _no(what: str, field: str, fix: str) -> None:
     raise FtcoreError(what, field=field, fix=fix)
 
 
+def check_attention(cfg: DictConfig) -> None:
+    """Multi-head latent attention's shapes (family deepseek_v3) and the rotary settings a family
+    supports: YaRN is megatron's MLA only, a partial rotary standard attention only."""
+    m, tp = cfg.model, int(cfg.parallel.tp)
+    r = m.get("rope_scaling")
+    yarn = r is not None and r.get("rope_type", "llama3") == "yarn"
+    if not family(m).mla:
+        if yarn:
+            _no(f"model.rope_scaling.rope_type=yarn on family {m.family}: ftcore applies YaRN in "
+                "megatron's latent attention only (DeepSeek-V3)", "model.rope_scaling.rope_type",
+                "rope_type llama3, or no rope_scaling")  # fmt: skip
+        return
+    missing = [k for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+               if not m.get(k)]  # fmt: skip
+    if missing:
+        _no(f"model.family={m.family} is multi-head latent attention but model.{missing[0]} is "
+            "not set", f"model.{missing[0]}", "set the MLA shapes (model.hf_path reads them)")  # fmt: skip
+    if float(m.get("rotary_percent") or 1.0) != 1.0:
+        _no("model.rotary_percent with latent attention: its rotary part is qk_rope_head_dim",
+            "model.rotary_percent", "model.rotary_percent=1.0")  # fmt: skip
+    widths = {"model.q_lora_rank": m.get("q_lora_rank") or 0,
+              "model.kv_lora_rank": int(m.kv_lora_rank) + int(m.qk_rope_head_dim)}  # fmt: skip
+    for field, width in widths.items():  # the local spec's down projections are column-parallel
+        if width % tp:
+            _no(f"parallel.tp={tp} does not divide {field.split('.')[1]}"
+                f"{' + qk_rope_head_dim' if 'kv' in field else ''} = {width}", "parallel.tp",
+                "a tp dividing the latent widths")  # fmt: skip
+
+
+def check_biased_router(cfg: DictConfig) -> None:
+    """DeepSeek-V3/GLM-4.5 routing where transformers' class can express it (export writes its
+    config.json), and the plain families without it (docs/deepseek.md)."""
+    m, moe = cfg.model, cfg.get("moe") or {}
+    experts, biased = m.get("num_experts"), m.get("family") in BIASED
+    if float(moe.get("expert_bias_update_rate") or 0.0) > 0 and not m.get("moe_router_expert_bias"):
+        _no("moe.expert_bias_update_rate > 0 on a router without an expert bias",
+            "moe.expert_bias_update_rate", "0 (or a DeepSeek-V3 / GLM-4.5 model)")  # fmt: skip
+    if not experts:
+        return
+    sigmoid = m.get("moe_router_score_function", "softmax") == "sigmoid"
+    extras = {"model.moe_shared_expert_ffn_hidden_size": m.get("moe_shared_expert_ffn_hidden_size"),
+              "model.moe_router_num_groups": m.get("moe_router_num_groups"),
+              "model.moe_router_expert_bias": m.get("moe_router_expert_bias"),
+              "model.moe_router_topk_scaling_factor":
+              float(m.get("moe_router_topk_scaling_factor") or 1.0) != 1.0}  # fmt: skip
+    if not biased:
+        on = [k for k, v in extras.items() if v] + (
+            ["model.moe_router_score_function"] if sigmoid else []
+        )
+        if on:
+            _no(f"{on[0]} on family {m.family}: transformers' {m.family} router has no shared "
+                "experts, sigmoid scores, expert bias, groups or scaling", on[0],
+                "family deepseek_v3 or glm4_moe, or leave it unset")  # fmt: skip
+        return
+    if not sigmoid or not m.get("moe_router_expert_bias") or not m.get("moe_norm_topk_prob", True):
+        _no(f"family {m.family} routes with sigmoid scores, an expert bias and renormalised top k "
+            "(transformers' class, whatever else is set)", "model.moe_router_score_function",
+            "model.moe_router_score_function=sigmoid model.moe_router_expert_bias=true "
+            "model.moe_norm_topk_prob=true")  # fmt: skip
+    dense = sorted(int(i) for i in m.get("moe_dense_layers") or [])
+    if dense != list(range(len(dense))):
+        _no(f"moe_dense_layers {dense}: {m.family} has dense layers first only "
+            "(first_k_dense_replace)", "model.moe_dense_layers", f"[0 .. k-1], e.g. {list(range(len(dense)))}")  # fmt: skip
+    shared, ffn = m.get("moe_shared_expert_ffn_hidden_size") or 0, int(m.moe_ffn_hidden_size)
+    if shared % ffn:
+        _no(f"moe_shared_expert_ffn_hidden_size={shared} is not a whole number of experts of "
+            f"{ffn}", "model.moe_shared_expert_ffn_hidden_size", f"a multiple of {ffn}")  # fmt: skip
+    groups, pick = m.get("moe_router_num_groups"), m.get("moe_router_group_topk")
+    if groups or pick:
+        if (
+            not (groups and pick)
+            or experts % groups
+            or pick >= groups
+            or m.moe_router_topk // pick != 2
+        ):
+            _no(f"moe_router_num_groups={groups}, moe_router_group_topk={pick}: transformers' "
+                f"router picks the best topk_group < n_group groups dividing the {experts} "
+                "experts, each scored by its best 2 (megatron: by its best topk / topk_group)",
+                "model.moe_router_num_groups", "both null, or n_group | experts and "
+                "topk_group = moe_router_topk / 2 < n_group")  # fmt: skip
+
+
 def check_moe(cfg: DictConfig, world: int | None, *, training: bool) -> None:
+    check_attention(cfg)
+    check_biased_router(cfg)
     m, p = cfg.model, cfg.parallel
     ep, etp = int(p.get("ep", 1)), int(p.get("etp", 1))
     experts = m.get("num_experts")

@@ -1,17 +1,19 @@
-"""The `objective` section's rules (docs/preference.md), checked with the choices before anything is
-built: TRL 1.x's loss names, which of them read `label_smoothing`, one weight per loss, and which
-reference each fine-tuning mode can have. Free of torch: this runs in the launching parent."""
+"""The `objective` section's rules (docs/preference.md, docs/grpo.md), checked with the choices
+before anything is built: TRL 1.x's loss names, which of them read `label_smoothing`, one weight per
+loss, which reference each fine-tuning mode can have, and GRPO's batch, layout and reward rules
+(its reward functions are built here, so a user function that cannot be imported exits 2 before
+any worker starts). Free of torch: this runs in the launching parent."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ftcore.errors import FtcoreError
 
-OBJECTIVES = ("sft", "dpo")
-# TRL 1.16's DPOConfig.loss_type values, and the ones ftcore computes (ftcore/training/preference.py)
+OBJECTIVES = ("sft", "dpo", "grpo")
+# TRL 1.16's DPOConfig.loss_type values, and the ones ftcore computes (training/objectives/dpo/loss.py)
 TRL_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair",
                   "sppo_hard", "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft",
                   "sigmoid_norm")  # fmt: skip
@@ -24,9 +26,21 @@ def check_objective(cfg: DictConfig) -> None:
     o = cfg.objective
     if o.name not in OBJECTIVES:
         raise FtcoreError(f"{o.name!r} is not one of {', '.join(OBJECTIVES)}", field="objective",
-                          fix="objective=sft (next-token loss) or objective=dpo (preference pairs)")  # fmt: skip
+                          fix="objective=sft (next-token loss), objective=dpo (preference pairs) "
+                          "or objective=grpo (online RL on prompts)")  # fmt: skip
+    if o.name == "grpo":
+        from ftcore.validation.grpo_checks import check_grpo
+
+        check_grpo(cfg)
+        return
     if o.name != "dpo":
         return
+    if o.beta <= 0:
+        raise FtcoreError(f"DPO's beta must be > 0, got {o.beta}", field="objective.beta",
+                          fix="objective.beta=0.1 (TRL's default)")  # fmt: skip
+    if not isinstance(o.loss_type, (list, tuple)) and not OmegaConf.is_list(o.loss_type):
+        raise FtcoreError(f"DPO takes a list of losses, got {o.loss_type!r}",
+                          field="objective.loss_type", fix="objective.loss_type=[sigmoid]")  # fmt: skip
     if cfg.model.get("num_experts"):
         # the router's auxiliary loss is scaled per target token (docs/moe.md); DPO's per pair
         raise FtcoreError("preference tuning of a mixture of experts is not built yet",
@@ -68,7 +82,7 @@ def check_objective(cfg: DictConfig) -> None:
 def check_reference(cfg: DictConfig) -> None:
     """LoRA's reference is the base with the adapters off (or base + ref_adapter_path); full
     fine-tuning's a frozen copy sharded like the policy; either, with precompute_ref, log-probs
-    stored by a first pass (training/ref_store.py)."""
+    stored by a first pass (training/objectives/dpo/ref_store.py)."""
     o = cfg.objective
     if o.ref_adapter_path and cfg.peft.name == "none":
         raise FtcoreError(

@@ -61,6 +61,9 @@ CASES: dict[str, Case] = {
         _c("bf16_local", "precision=bf16", "precision.te_layers=false"),
         _c("fp32_local", "precision=fp32", "precision.te_layers=false"),
         _c("bf16_te", "precision=bf16", te=True),
+        # DeepSeek-V3's latent attention and router on TE's spec (tests/gpu/test_deepseek_gpu.py
+        # points model.hf_path at a tiny transformers checkpoint)
+        _c("fp32_te_mla", "precision=fp32", te=True),
         _c("fp8_delayed", "precision=fp8_delayed", te=True),
         _c("fp8_cs", "precision=fp8_cs", te=True),
         _c("fp8_blockwise", "precision=fp8_blockwise", te=True),

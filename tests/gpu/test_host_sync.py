@@ -40,7 +40,8 @@ INTENDED = {
     "ftcore/training/optim.py:*": "gradient norm, clipping, update decision, once per step",
     # megatron's finalize_model_grads tests `num_tokens > 0` before the per-token scaling
     "ftcore/training/trainer.py:_finalize_grads": "megatron's token-count read, once per step",
-    "ftcore/training/dpo.py:run_pairs": "DPO's loss and metric sums, one read per step",
+    "ftcore/training/objectives/dpo/step.py:run_pairs": "DPO's loss and metric sums, one read per step",
+    "ftcore/training/objectives/grpo/step.py:run": "GRPO's loss and metric sums, one read per step",
 }
 WARMUP, STEPS = 3, 2
 # an intended read happens a few times a step; one per parameter or per layer is not intended

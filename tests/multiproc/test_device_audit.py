@@ -180,7 +180,8 @@ def dpo_precompute_and_moe_audited(run_dir: str) -> dict:
     from ftcore.config.schema import compose
     from ftcore.precision import delayed
     from ftcore.runtime import device_audit
-    from ftcore.training import dpo, trainer
+    from ftcore.training import trainer
+    from ftcore.training.objectives.dpo import step as dpo
     from tests.multiproc.test_dpo_parity import BASE, LORA, PRE
     from tests.support.layouts import build
 

@@ -83,7 +83,7 @@ def reference(pool1, tmp_path_factory):
 
 def counted_case(overrides: list[str], run_dir: str, resume_at: int = 0) -> dict:
     """Worker: steps_case, and how many reference passes (precompute_ref) the run computed."""
-    from ftcore.training import ref_store
+    from ftcore.training.objectives.dpo import ref_store
 
     real, calls = ref_store._compute, []
 

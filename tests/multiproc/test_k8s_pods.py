@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 RUN = ["+exp=tiny_lora", "train.max_steps=8", "eval.interval=0", "eval.accuracy=false",
        "checkpoint.interval=0", "logger.progress=lines", "k8s.image=local",
+       "k8s.output_claim=runs",  # a shared volume, which two nodes need (here: tmp_path)
        "+k8s.env.OMP_NUM_THREADS=1"]  # fmt: skip
 
 

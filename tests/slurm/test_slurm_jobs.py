@@ -54,7 +54,8 @@ def test_two_nodes_usr1_saves_requeues_resumes_and_finishes(jobs):
     assert state == ("COMPLETED", "0:0", "1"), jobs.report(job)
     # the rendezvous: two nodes, one worker each, master at the first node's NodeAddr
     assert "nnodes=2 nproc_per_node=1 world_size=2" in log
-    assert "rendezvous 127.0.0.1:" in log and "nodes=node1,node2" in log
+    assert "rendezvous at 127.0.0.1 nodes=node1,node2" in log
+    assert not re.search(r"127\.0\.0\.1:\d", log), "the rendezvous port is in the log"
     assert "node 0: workers done, exit 3" in log and "node 1: workers done, exit 3" in log
     assert "node 0: workers done, exit 0" in log and "node 1: workers done, exit 0" in log
     # the preemption path
@@ -69,12 +70,47 @@ def test_two_nodes_usr1_saves_requeues_resumes_and_finishes(jobs):
 
 
 def test_user_error_is_not_requeued(jobs):
+    """Exit 2 is final. The job's files are its user's alone (issue 51 item 9): the run directory
+    it made 0700, logs/job.log and the SLURM output file 0600."""
     job = jobs.submit("tiny_cpu.sh", "train.max_steps=not_a_number")
     info = jobs.wait(job, timeout=300)
     log = jobs.log(job)
     state = (info["JobState"], info["ExitCode"], info["Restarts"])
     assert state == ("FAILED", "2:0", "0"), jobs.report(job)
     assert "train.max_steps" in log and "step exited 2: not requeueing" in log
+    run_dir = jobs.run_dir("tiny_full", job)
+    (out,) = jobs.workdir.glob(f"slurm-*-{job}.out")
+    files = (run_dir, run_dir / "logs", run_dir / "logs" / "job.log", out)
+    assert [oct(f.stat().st_mode & 0o777) for f in files] == ["0o700", "0o700", "0o600", "0o600"]
+
+
+def test_a_run_dir_someone_else_made_is_refused_before_any_write(jobs, tmp_path):
+    """issue 51 item 4, replayed on a real SLURM: another user (nobody) made the job's run
+    directory first, its logs/job.log and STOP linked to files of the victim's. The job fails
+    with exit 2 (not requeued) naming run.dir; the victim's files keep their bytes and nothing is
+    added to the directory (the batch shell appended to the log before the trainer refused)."""
+    import os
+    import pwd
+
+    victim_log, victim_stop = tmp_path / "victim.log", tmp_path / "victim.stop"
+    victim_log.write_text("the victim's log\n")
+    victim_stop.write_text("the victim's file\n")
+    run = tmp_path / "planted"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "job.log").symlink_to(victim_log)
+    (run / "STOP").symlink_to(victim_stop)
+    for d in (run, run / "logs"):
+        os.chown(d, pwd.getpwnam("nobody").pw_uid, -1)
+        os.chmod(d, 0o777)
+    before = sorted(p.name for p in run.rglob("*"))
+    job = jobs.submit("tiny_cpu.sh", nodes=2, FTCORE_RUN_DIR=str(run))
+    info = jobs.wait(job, timeout=300)
+    assert victim_log.read_text() == "the victim's log\n"
+    assert victim_stop.read_text() == "the victim's file\n"
+    assert sorted(p.name for p in run.rglob("*")) == before
+    state = (info["JobState"], info["ExitCode"], info["Restarts"])
+    assert state == ("FAILED", "2:0", "0"), jobs.report(job)
+    assert f"ftcore error: run.dir: {run} belongs to another user" in jobs.log(job)
 
 
 def test_requeues_are_bounded(jobs, tmp_path):

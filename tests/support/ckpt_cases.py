@@ -69,9 +69,11 @@ E2E = [
 
 class Workers:
     """`python -m ftcore.train` as 2 ranks (RANK/WORLD_SIZE/MASTER_* set, as srun or torchrun
-    would), or through ftcore's own local launcher (`launcher=True`: one parent, 2 workers)."""
+    would), or through ftcore's own local launcher (`launcher=True`: one parent, 2 workers; with
+    `command`, that command line as given, e.g. one ftcore printed)."""
 
-    def __init__(self, run_dir: Path, overrides: list[str], log: Path, *, launcher: bool = False):
+    def __init__(self, run_dir: Path, overrides: list[str], log: Path, *, launcher: bool = False,
+                 command: list[str] | None = None):  # fmt: skip
         self.run_dir, self.log_path = Path(run_dir), log
         argv = [
             sys.executable,
@@ -89,9 +91,11 @@ class Workers:
         self.env = base  # what a user's shell would hand the next start
         self.log = open(log, "a")  # noqa: SIM115 - closed in wait()
         self.t0 = time.time()
-        if launcher:
-            self.procs = [subprocess.Popen(argv + ["launcher.nproc_per_node=2"], env=base, cwd=ROOT,
-                                           stdout=self.log, stderr=subprocess.STDOUT)]  # fmt: skip
+        if launcher:  # its own process group, as a shell starts a command (os.killpg kills it)
+            self.argv = command or argv + ["launcher.nproc_per_node=2"]
+            self.procs = [subprocess.Popen(self.argv, env=base, cwd=ROOT,
+                                           stdout=self.log, stderr=subprocess.STDOUT,
+                                           start_new_session=True)]  # fmt: skip
             return
         self.store = host_store(2)  # open until these ranks are gone
         self.procs = []

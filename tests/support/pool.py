@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, env: dict, conn) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from ftcore.runtime import cpu
+    from ftcore.runtime import cpu, run_lock
 
     cpu.activate()
     from megatron.core import parallel_state as ps
@@ -67,6 +67,7 @@ def _worker(rank: int, world: int, env: dict, conn) -> None:
             result = ("ok", fn(*args, **kwargs))
         except BaseException:  # noqa: BLE001 - reported to the test process
             result = ("err", traceback.format_exc())
+        run_lock.release()  # as an entry point ends its run (ftcore/train.py): run.dir is free
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         # megatron's destroy drops its groups without shutting them down: each gloo group keeps

@@ -259,9 +259,11 @@ class SdpaAttention(DotProductAttention):
     query_width: int | None = None  # target_logits.widest of the micro-batch
     rows_done: bool = False
 
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
         # megatron's local attention asserts context_parallel_size == 1; this one attends CP
-        # shards itself (cp_attention.py), so its parent is built as at cp=1
+        # shards itself (cp_attention.py), so its parent is built as at cp=1. MLA passes its key
+        # and value widths (megatron's local attention takes neither): the output is sized by
+        # kv_channels, which models/mla.py sets to the value width.
         cp = config.context_parallel_size
         at_cp1 = config
         if cp > 1:
@@ -287,11 +289,29 @@ class SdpaAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):  # fmt: skip
-        """[s, b, heads, d] in, [s, b, heads * d] out; attention_mask True = masked out."""
+        """[s, b, heads, d] in, [s, b, heads * d] out; attention_mask True = masked out. Values
+        narrower than the keys (MLA) are padded with zero columns, which leave every output
+        column as it was, and cut off again: one attention path for every width."""
+        dv = value.shape[-1]
+        if dv != query.shape[-1]:
+            wide = max(dv, query.shape[-1])  # zero columns of q and k add nothing to q.k
+            query, key, value = (F.pad(t, (0, wide - t.shape[-1])) for t in (query, key, value))
+            ctx = self._forward(query, key, value, attention_mask, attn_mask_type,
+                                attention_bias, packed_seq_params)  # fmt: skip
+            return ctx.unflatten(-1, (-1, wide))[..., :dv].flatten(-2)
+        return self._forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                             packed_seq_params)  # fmt: skip
+
+    def _forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
+                 packed_seq_params):  # fmt: skip
+        width = query.shape[2] * value.shape[3]  # heads x value width of this partition
         if self.cp > 1:
             return self._context_parallel(query, key, value, attention_mask, attention_bias,
                                           packed_seq_params)  # fmt: skip
         if self._megatron_only() or attention_mask is None or attention_bias is not None:
+            if width != self.hidden_size_per_partition:  # MLA: megatron's path sizes by kv_channels
+                raise RuntimeError("MLA on the local attention takes SDPA's path (no dropout, "
+                                   "softmax offset, window or bias; a mask from step.py)")  # fmt: skip
             return super().forward(query, key, value, attention_mask, attn_mask_type,
                                    attention_bias, packed_seq_params)  # fmt: skip
         assert packed_seq_params is None, "packed rows take a block-diagonal mask on this path"
@@ -302,17 +322,17 @@ class SdpaAttention(DotProductAttention):
                 self.rows_done = True
                 ctx = attention_at_rows(query, key, value, attention_mask, rows,
                                         self.softmax_scale, self.query_width)  # fmt: skip
-                return ctx.view(-1, 1, self.hidden_size_per_partition)
+                return ctx.view(-1, 1, width)
         docs = getattr(attention_mask, "ftcore_documents", None)
         if docs is not None:
             ctx = self._per_document(query, key, value, docs)
-            return ctx.view(s, b, self.hidden_size_per_partition)
+            return ctx.view(s, b, width)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         ctx = F.scaled_dot_product_attention(
             q, k, v, attn_mask=~attention_mask, scale=self.softmax_scale,
             enable_gqa=k.shape[1] != q.shape[1],
         )  # fmt: skip
-        return ctx.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
+        return ctx.permute(2, 0, 1, 3).reshape(s, b, width)
 
     def _context_parallel(self, query, key, value, mask, bias, packed_seq_params):
         if self._megatron_only() or mask is None or bias is not None or packed_seq_params:

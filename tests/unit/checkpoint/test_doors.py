@@ -196,8 +196,8 @@ def test_planted_links_in_a_run_directory_are_refused(saved, tmp_path):
 
 
 def test_reference_logps_are_never_written_through_a_link(saved, tmp_path):
-    """training/ref_store.save writes its temporary anew (O_EXCL | O_NOFOLLOW), then renames it."""
-    from ftcore.training import ref_store
+    """objectives/dpo/ref_store.save writes its temporary anew (O_EXCL | O_NOFOLLOW), then renames it."""
+    from ftcore.training.objectives.dpo import ref_store
 
     run = tmp_path / "run"
     run.mkdir()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import shlex
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -80,6 +82,16 @@ def misspelt(doc: dict, path: list, good: str, bad: str) -> dict:
     return doc
 
 
+def stamp_of(after: list[str]) -> str:
+    """The submission's suffix of run.dir (UTC time and 4 hex digits), also in run.id."""
+    (run_dir,) = [a for a in after if a.startswith("run.dir=")]
+    stamp = re.search(r"-(\d{8}-\d{6}-[0-9a-f]{4})$", run_dir)
+    assert stamp, run_dir
+    (run_id,) = [a for a in after if a.startswith("run.id=")]
+    assert run_id.endswith(stamp.group(1)), (run_dir, run_id)
+    return stamp.group(1)
+
+
 def argv_of(trainer: dict) -> list[str]:
     argv = [*trainer["command"], *trainer["args"]]
     assert argv[0] in ("python", "python3", "torchrun"), argv
@@ -99,10 +111,8 @@ def test_trainjob_of_each_gpu_experiment(capsys, exp):
     argv = argv_of(t)
     assert argv[:3] == ["python", "-m", "ftcore.launch.node"] and "--module=ftcore.train" in argv
     after = argv[argv.index("--") + 1 :]
-    assert (
-        after[0] == f"+exp={exp}"
-        and f"run.dir=/outputs/{exp}/ftcore-{exp.replace('_', '-')}" in after
-    )
+    name = f"ftcore-{exp.replace('_', '-')}"
+    assert after[0] == f"+exp={exp}" and f"run.dir=/outputs/{exp}/{name}-{stamp_of(after)}" in after
     assert "train.max_steps=7" in after and not any(a.startswith("k8s.") for a in after)
     env = {e["name"]: e["value"] for e in t["env"]}
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and "CUDA_DEVICE_MAX_CONNECTIONS" in env
@@ -110,9 +120,18 @@ def test_trainjob_of_each_gpu_experiment(capsys, exp):
     pod = pod["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
-    mounts = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
-    assert mounts == {"/dev/shm", "/outputs", "/models", "/data"}
+    mounts = {
+        m["mountPath"]: m.get("readOnly", False) for m in pod["containers"][0]["volumeMounts"]
+    }
+    # issue 52 item 11: models and data only read (mount and claim), outputs written
+    assert mounts == {"/dev/shm": False, "/outputs": False, "/models": True, "/data": True}
+    assert [volumes[v]["persistentVolumeClaim"].get("readOnly", False)
+            for v in ("outputs", "models", "data")] == [False, True, True]  # fmt: skip
     assert pod["terminationGracePeriodSeconds"] >= 600
+    # CPU and memory requested beside the GPUs: 8 CPUs and >= 16 GiB per GPU
+    requests = t["resourcesPerNode"]["requests"]
+    assert int(requests["cpu"]) == 8 * gpus and requests["memory"].endswith("Gi")
+    assert int(requests["memory"][:-2]) >= 16 * gpus
 
 
 def test_misspelt_keys_are_caught(capsys):
@@ -150,6 +169,8 @@ def test_pytorchjob_and_runtime(capsys):
     assert doc["spec"]["nprocPerNode"] == "8" and doc["spec"]["runPolicy"]["backoffLimit"] == 4
     assert replicas["Master"]["restartPolicy"] == "OnFailure"
     argv_of(c)
+    assert c["resources"]["requests"]["cpu"] == "64"  # 8 per GPU, beside the GPUs and the NICs
+    assert {m["mountPath"]: m.get("readOnly", False) for m in c["volumeMounts"]}["/models"]
     rt = emit(capsys, *over, "k8s.kind=runtime", "k8s.max_restarts=4")
     assert dropped(rt, trainer_round_trip(rt)) == []
     js = rt["spec"]["template"]["spec"]
@@ -187,3 +208,53 @@ def test_pet_layout_of_trainjob_and_pytorchjob_pods():
     assert (at.master_addr, at.master_port, at.node_rank) == ("j-master-0", 23456, 2)
     with pytest.raises(Exception, match="PET_NNODES"):
         pet_env.from_env({"PET_NNODES": "1:4"}, 1)
+
+
+def test_the_docs_first_command_prints_the_runtime(capsys):
+    """issue 52 item 4: docs/kubernetes.md's first command, as written there (without the pipe to
+    kubectl), prints the TrainingRuntime: it holds the restart policy and names no model or data,
+    so it asks for none (it exited 2 asking for base weights)."""
+    text = (ROOT / "docs" / "kubernetes.md").read_text()
+    first = next(ln for ln in text.splitlines() if ln.startswith("python -m ftcore.launch.k8s"))
+    argv = shlex.split(first.split("|")[0])
+    assert argv[:3] == ["python", "-m", "ftcore.launch.k8s"] and "k8s.kind=runtime" in argv, argv
+    assert k8s.main(argv[3:]) == 0, capsys.readouterr().err
+    doc = yaml.safe_load(capsys.readouterr().out)
+    assert doc["kind"] == "TrainingRuntime" and dropped(doc, trainer_round_trip(doc)) == []
+
+
+def test_a_multi_node_job_without_an_output_volume_is_refused(capsys):
+    """issue 52 item 11: without k8s.output_claim a 2-node job would write its checkpoints to each
+    pod's own disk: exit 2 with the fix, and no YAML (it was printed, with a warning). One node
+    without it: a warning, and the job (test_misspelt_keys_are_caught)."""
+    status = k8s.main(["k8s.image=r/f:1", "+exp=tiny_lora", "k8s.nodes=2", "k8s.procs_per_node=1"])
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "", err
+    line = next(ln for ln in err.splitlines() if "k8s.output_claim" in ln)
+    assert (
+        line.startswith("ftcore error: k8s.output_claim: a 2-node job") and "ReadWriteMany" in line
+    )
+
+
+def test_each_submission_gets_its_own_run_dir_unless_pinned(capsys):
+    """issue 52 item 2 (Kubernetes): each manifest is one submission, with a run directory and run
+    id of its own (a resubmission with new data starts its own run; restarts of one job's pods
+    share its argv, so they resume it); a run.dir the user gives is kept, with no id added."""
+    over = ["+exp=70b_fp8", "model.allow_random_base=true", *CLAIMS]
+    first = argv_of(emit(capsys, *over)["spec"]["trainer"])
+    again = argv_of(k8s.manifest(compose(over), over)["spec"]["trainer"])  # the next submission
+    assert stamp_of(first[first.index("--") + 1 :]) != stamp_of(again[again.index("--") + 1 :])
+    cfg = compose([*over, "run.dir=/outputs/mine"])
+    pinned = k8s.trainer_argv(cfg, [*over, "run.dir=/outputs/mine"], "ftcore-70b-fp8", "x")
+    assert "run.dir=/outputs/mine" in pinned and not any(a.startswith("run.id=") for a in pinned)
+
+
+def test_requests_are_settings_and_checked(capsys):
+    doc = emit(capsys, "+exp=70b_fp8", "model.allow_random_base=true", "k8s.cpu=96",
+               "k8s.memory=1500Gi")  # fmt: skip
+    assert doc["spec"]["trainer"]["resourcesPerNode"]["requests"]["memory"] == "1500Gi"
+    assert doc["spec"]["trainer"]["resourcesPerNode"]["requests"]["cpu"] == "96"
+    assert k8s.main(["k8s.image=r/f:1", "+exp=70b_fp8", "k8s.memory=lots"]) == 2
+    assert (
+        "ftcore error: k8s.memory: 'lots' is not a Kubernetes quantity" in capsys.readouterr().err
+    )

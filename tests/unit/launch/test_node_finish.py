@@ -56,3 +56,30 @@ def test_a_crash_or_one_node_ends_at_once_and_leaves_nothing(attempt):
 def test_exits_dir_is_the_last_run_dir_given():
     assert node.exits_dir(["+exp=x", "run.dir=/a", "x=1", "run.dir=b"]) == node.Path("b/logs")
     assert node.exits_dir(["+exp=x"]) is None
+
+
+def test_node_files_are_never_written_through_a_planted_link(attempt, tmp_path):
+    """issue 51 item 4: a pre-created run directory with `node_exits/<attempt>.node0` linked to a
+    file of the victim's. The node file is created anew (O_EXCL|O_NOFOLLOW): the link is not
+    followed, the victim's file keeps its bytes (it was truncated and rewritten before)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (attempt / "node_exits" / "7.1.0.node0").symlink_to(victim)
+    status, _ = timed(3, 2, 0.2, attempt, 0)
+    assert status == 3 and victim.read_text() == "precious\n"
+
+
+def test_another_users_logs_directory_gets_nothing(attempt):
+    """A run directory someone else created (owned by nobody): the launcher writes nothing in it,
+    not even a node file in a node_exits/ it may write to."""
+    import os
+    import pwd
+
+    if os.getuid() != 0:
+        pytest.skip("needs root to make a directory another user owns")
+    nobody = pwd.getpwnam("nobody").pw_uid
+    for d in (attempt.parent, attempt, attempt / "node_exits"):
+        os.chown(d, nobody, -1)
+        os.chmod(d, 0o777)
+    timed(2, 2, 0.2, attempt, 0)
+    assert not any((attempt / "node_exits").iterdir())

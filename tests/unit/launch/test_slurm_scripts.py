@@ -330,9 +330,9 @@ def test_layout_from_slurm_env():
     }
     lay = slurm_env.from_env(env, use_scontrol=False)
     assert (lay.nnodes, lay.node_rank, lay.nproc_per_node, lay.world_size) == (2, 1, 8, 16)
-    assert (lay.master_addr, lay.master_port) == ("n3", slurm_env.DEFAULT_PORT_BASE + 77)
+    assert (lay.master_addr, lay.master_port) == ("n3", slurm_env.port_at(77))
     ports = {slurm_env.master_port({"SLURM_JOB_ID": str(j)}) for j in range(0, 10**6, 7)}
-    assert min(ports) >= 1024 and max(ports) < 32768  # never in Linux's ephemeral range
+    assert min(ports) >= 10000 and not any(32768 <= p < 61000 for p in ports)  # not ephemeral
     assert slurm_env.master_port({"SLURM_JOB_ID": "77", "MASTER_PORT": "40001"}) == 40001  # kept
     w = slurm_env.worker_env(lay, 3, {**env, "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, gpu=True)
     assert (w["RANK"], w["LOCAL_RANK"], w["WORLD_SIZE"], w["LOCAL_WORLD_SIZE"]) == (
@@ -423,7 +423,91 @@ def test_rendezvous_port_is_not_derivable_from_the_job_id(tmp_path):
         slurm_env.master_port({**secret, "SLURM_JOB_ID": str(j)}) for j in range(4242, 10**6, 20000)
     }
     assert len(same_mod) >= 45, same_mod  # 50 job ids that agree mod 20000: (nearly) all apart
-    assert min(same_mod) >= slurm_env.DEFAULT_PORT_BASE and max(same_mod) < 32768
+    assert min(same_mod) >= 10000 and not any(32768 <= p < 61000 for p in same_mod)
     job = {"SLURM_JOB_ID": "4242"}
     drawn = {slurm_env.master_port({**job, slurm_env.SECRET_ENV: f"{i:032x}"}) for i in range(20)}
-    assert len(drawn) >= 18 and slurm_env.DEFAULT_PORT_BASE + 4242 not in drawn
+    assert len(drawn) >= 18 and slurm_env.port_at(4242) not in drawn
+
+
+def test_the_port_is_drawn_from_every_port_outside_the_ephemeral_range():
+    """issue 51 item 9: the drawn port may be any of the 27304 ports from 10000 up outside Linux's
+    default ephemeral range (32768-60999), both ends included (it was one of 20000)."""
+    ports = [slurm_env.port_at(i) for i in range(slurm_env.PORT_COUNT)]
+    assert len(set(ports)) == slurm_env.PORT_COUNT == 27304
+    assert min(ports) == 10000 and max(ports) == 65535 and 32767 in ports and 61000 in ports
+    assert not any(32768 <= p < 61000 for p in ports)
+    secret = {slurm_env.SECRET_ENV: "0f" * 16}
+    drawn = {slurm_env.master_port({**secret, "SLURM_JOB_ID": str(j)}) for j in range(4000)}
+    assert any(p >= 61000 for p in drawn) and any(p < 12000 for p in drawn)
+
+
+def _foreign_run_dir(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A run directory someone else (nobody) made ahead of the job, with logs/job.log and the stop
+    file linked to files of the victim's: (run dir, victim log, victim stop file)."""
+    import pwd
+
+    victim_log, victim_stop = tmp_path / "victim.log", tmp_path / "victim.stop"
+    victim_log.write_text("the victim's log\n")
+    victim_stop.write_text("the victim's file\n")
+    run = tmp_path / "outputs" / "planted"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "job.log").symlink_to(victim_log)
+    (run / "STOP").symlink_to(victim_stop)
+    nobody = pwd.getpwnam("nobody").pw_uid
+    for d in (run, run / "logs"):
+        os.chown(d, nobody, -1)
+        os.chmod(d, 0o777)
+    return run, victim_log, victim_stop
+
+
+def _job_shell(tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
+    """The batch script as a job runs it, up to the step: srun is a stand-in that records its
+    argv (and fails: nothing is launched), so only the shell's own writes happen."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    srun = bin_dir / "srun"
+    srun.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/srun.args\nexit 1\n')
+    srun.chmod(0o755)
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FTCORE_", "MASTER_"))
+    }
+    env.update(SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="1", SLURM_SUBMIT_DIR=str(tmp_path),
+               FTCORE_SLURM_DIR=str(SLURM), FTCORE_PYTHON="python",
+               PATH=f"{bin_dir}:{env['PATH']}", **extra)  # fmt: skip
+    return subprocess.run(["bash", str(SLURM / "tiny_cpu.sh")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def test_the_job_refuses_another_users_run_dir_before_writing_anything(tmp_path):
+    """issue 51 item 4: a run directory pre-created by another user, its logs/job.log and STOP
+    linked to the victim's files. The batch shell refuses it (exit 2, one `ftcore error: run.dir`
+    line) before its first write: the victim's files keep their bytes, nothing is added, srun is
+    never reached. (It appended to the victim's log and deleted the stop file's link before.)"""
+    if os.getuid() != 0:
+        pytest.skip("needs root to make a directory another user owns")
+    run, victim_log, victim_stop = _foreign_run_dir(tmp_path)
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    r = _job_shell(tmp_path, FTCORE_RUN_DIR=str(run))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"ftcore error: run.dir: {run} belongs to another user" in r.stderr, r.stderr
+    assert victim_log.read_text() == "the victim's log\n"
+    assert victim_stop.read_text() == "the victim's file\n"
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+    assert not (tmp_path / "srun.args").exists()
+
+
+def test_the_job_makes_its_run_dir_and_log_private(tmp_path):
+    """A run directory the job creates is 0700, its logs/ 0700 and logs/job.log 0600 (the log was
+    world-readable, with the rendezvous port in it); a link left in the job's own directory is
+    refused too."""
+    r = _job_shell(tmp_path)
+    run = tmp_path / "outputs" / "tiny_full" / "slurm-4242"
+    assert r.returncode == 1 and (tmp_path / "srun.args").exists(), r.stdout + r.stderr
+    modes = [oct(p.stat().st_mode & 0o777) for p in (run, run / "logs", run / "logs" / "job.log")]
+    assert modes == ["0o700", "0o700", "0o600"], modes
+    assert "rendezvous" not in (run / "logs" / "job.log").read_text()
+    (run / "logs" / "job.log").unlink()
+    (run / "logs" / "job.log").symlink_to(tmp_path / "elsewhere.log")
+    r = _job_shell(tmp_path)
+    assert r.returncode == 2 and "job.log is a symbolic link" in r.stderr, r.stderr
+    assert not (tmp_path / "elsewhere.log").exists()

@@ -3,7 +3,7 @@
 `FP8GlobalStateManager.autocast_exit`): the amax reduction and scale update run at the outermost
 autocast's exit only when grad is enabled. So DPO's reference forwards and precompute_ref's whole
 pass, all under no_grad, ran at the starting scales. ftcore runs TE's update itself after each
-(training/dpo.py reference_step; tests/multiproc/test_device_audit.py counts one per reference
+(training/objectives/dpo/step.py reference_step; tests/multiproc/test_device_audit.py counts one per reference
 forward of a precompute pass)."""
 
 from __future__ import annotations

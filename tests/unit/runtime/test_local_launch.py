@@ -4,6 +4,7 @@ would be too slow to test: a few seconds stand for it); a second Ctrl-C aborts t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -60,3 +61,27 @@ def test_second_ctrl_c_aborts(tmp_path):
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 130, out
     assert "aborting without saving" in out
+
+
+_ONE = """
+import json, os
+from ftcore.config.schema import compose
+from ftcore.runtime import dist as rdist
+from tests.support.procs import listening
+rdist.init_distributed(compose(["+exp=tiny_full", "launcher.threads_per_rank=1"]))
+print(json.dumps(listening(os.getpid())), flush=True)
+"""
+
+
+def test_a_one_process_run_listens_on_loopback_only():
+    """issue 51 item 5: a one-process run has no TCP store at all (it had torch's TCPStore,
+    listening on `::`, every interface, unauthenticated), and gloo's socket is on the loopback
+    address. (The 2-worker launcher's store and its workers' sockets: read while a run is live in
+    tests/multiproc/test_resume_kill.py::test_kills_then_stop_requests_tp2.)"""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env["PYTHONPATH"] = str(ROOT)
+    one = subprocess.run([sys.executable, "-c", _ONE], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    listens = json.loads(one.stdout.strip().splitlines()[-1])
+    assert all(addr.startswith("127.") for addr, _ in listens), listens

@@ -37,6 +37,8 @@ ALLOWED = {
     ): "a worker's error line into its launcher's private mkdtemp directory",
     ("ftcore/runtime/local_launch.py", "read_text"): "reads back those error lines (this run's)",
     ("ftcore/runtime/host_memory.py", "open"): "/proc/self: the kernel's, not a file",
+    ("ftcore/runtime/run_lock.py", "open"): "the run's lock file, opened to be locked (O_NOFOLLOW, "
+    "another user's refused); only the holder's JSON is read back, through safe_files.parse_json",
     ("ftcore/precision/ngc.py", "read_text"): "ftcore's own Dockerfile",
     ("ftcore/precision/ngc.py", "OmegaConf.load"): "ftcore's own conf/precision/*.yaml",
     ("ftcore/planner/fit.py", "open"): "the published rows ftcore ships (tests/data/*.csv)",

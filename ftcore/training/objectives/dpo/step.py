@@ -26,7 +26,7 @@ from ftcore.models import target_logits
 from ftcore.precision import delayed
 from ftcore.runtime import collectives, cpu
 from ftcore.runtime import dist as rdist
-from ftcore.training import preference
+from ftcore.training.objectives.dpo import loss as preference
 from ftcore.training.step import forward_step, is_loss_rank, reduce_sums, schedule, token_losses
 
 
@@ -38,7 +38,7 @@ class Reference:
     chunks: list | None = None
     ref_adapter: dict | None = None
     policy: list = field(default_factory=list)  # the policy's unwrapped chunks (LoRA)
-    # objective.precompute_ref (training/ref_store.py): [pairs, 2] log-probs by sample id, of the
+    # objective.precompute_ref (objectives/dpo/ref_store.py): [pairs, 2] log-probs by sample id, of the
     # training stream ("train") and the held-out pairs ("val", the batches in `val_batches`)
     tables: dict | None = None
     val_batches: set = field(default_factory=set)
@@ -64,7 +64,7 @@ class Reference:
 def build_reference(cfg, chunks: list, precompute: bool = False) -> Reference:
     """Before DDP and resume (trainer.setup): LoRA's reference lives in the policy; full
     fine-tuning's is a frozen copy of the policy's starting weights, sharded like it, or (with
-    `precompute`, training/ref_store.py) the policy itself for the one pass before training."""
+    `precompute`, objectives/dpo/ref_store.py) the policy itself for the one pass before training."""
     if cfg.peft.name != "none":
         ref_adapter = None
         if cfg.objective.ref_adapter_path:

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ftcore.training.preference import Objective, metric_sums, pair_losses, sequence_sums
+from ftcore.training.objectives.dpo.loss import Objective, metric_sums, pair_losses, sequence_sums
 
 
 def test_sequence_sums_per_pair_and_side():

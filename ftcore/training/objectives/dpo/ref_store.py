@@ -31,6 +31,7 @@ from ftcore.data.pipeline import assemble
 from ftcore.errors import FtcoreError
 from ftcore.runtime import collectives, safe_files
 from ftcore.runtime import dist as rdist
+from ftcore.training.objectives.dpo.step import reference_step
 from ftcore.training.step import is_loss_rank, schedule
 
 log = logging.getLogger("ftcore")
@@ -58,8 +59,6 @@ def fingerprint(cfg, docs, ids: np.ndarray) -> str:
 def _pass(state, ref, batches, table: torch.Tensor) -> None:
     """The reference's forward over `batches` (global batches: this rank's micro-batches); the
     loss ranks of CP rank 0 write each pair's sums into `table` at its sample id."""
-    from ftcore.training.dpo import reference_step
-
     owner = is_loss_rank() and ps.get_context_parallel_rank() == 0
     for microbatches in batches:
         store: dict = {}
