@@ -18,8 +18,9 @@ How, cheaply and honestly:
 - a command passes with exit 0, or the status its comment gives ("exit 2, \"...\"", with the quoted
   text in its output), and the output tests/data/docs_commands.yaml expects;
 - the `generate with:` line a training run prints is run too (a prompt in place of its `...`)
-  where it carries the run's overrides (model, layout, launcher: once per set of keys); a run that
-  stops with exit 3 has its `resume with:` line run;
+  where it carries the user's own model (model.hf_path with its layout and launcher: what a line
+  without the run's overrides got wrong, issue 52); a run that stops with exit 3 has its
+  `resume with:` line run;
 - what cannot run here (GPUs, SLURM, Kubernetes, containers, the suite itself) is listed with the
   reason in tests/data/docs_commands.yaml, whose ftcore commands are composed (`--cfg job`).
 The README quick start's promises are checked on what it made: the adapter changes the model, at
@@ -292,8 +293,8 @@ def expected_status(c: Shown) -> tuple[int, list[str]]:
 
 def follow_printed(s: Session, c: Shown, p: subprocess.CompletedProcess) -> None:
     """The `resume with:` line of a stopped run, and the `generate with:` line of a finished one
-    where it carries the run's overrides (beyond +exp and what it wrote): run as printed, once per
-    set of carried keys."""
+    where it carries the run's model (model.hf_path=DIR, with its layout and launcher): run as
+    printed, once per set of carried keys. (test_run_output.py runs one carrying data.seq_len.)"""
     out = p.stderr + p.stdout
     if p.returncode == 3 and "resume with: " in out:
         line = out.split("resume with: ", 1)[1].splitlines()[0]
@@ -305,8 +306,8 @@ def follow_printed(s: Session, c: Shown, p: subprocess.CompletedProcess) -> None
     line = out.split("generate with: ", 1)[1].splitlines()[0].replace('"..."', f'"{PROMPT}"')
     own = ("+exp=", "peft.adapter_path=", "model.hf_path=outputs/", "generate.prompt=")
     carried = frozenset(a.split("=")[0] for a in shlex.split(line)[3:] if not a.startswith(own))
-    if not carried or carried in s.followed:
-        return
+    if not any(k.startswith("model.") for k in carried) or carried in s.followed:
+        return  # the user's own checkpoint (model.hf_path=...): what a bare line would lose
     s.followed.add(carried)
     r = s.run(f"{c} -> generate with:", line)
     if r.returncode != 0 or len(r.stdout.splitlines()) != 1:
