@@ -162,6 +162,8 @@ RANGES: dict[str, Range] = {
     "cluster.layer_overhead_s": AT_LEAST_0,
     "cluster.sp_layer_overhead_s": AT_LEAST_0,
     "cluster.expert_gemm_half_elems": AT_LEAST_0,
+    "cluster.moe_layer_latency_s": AT_LEAST_0,
+    "cluster.expert_host_s": AT_LEAST_0,
     "cluster.ep_a2a_hidden": FRACTION,
     "plan.top": AT_LEAST_1,
     "plan.target_fraction": SHARE,

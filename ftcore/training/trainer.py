@@ -170,10 +170,11 @@ def _lock_run_dir(run_dir: Path, rank: int) -> None:
         try:
             run_lock.acquire(run_dir)
         except FtcoreError as e:
-            refused = str(e)
+            refused = (e.args[0].split(" -- fix: ")[0], e.fix)
     refused = collectives.broadcast_object(refused)
     if refused is not None:
-        raise FtcoreError(refused)
+        message, fix = refused
+        raise FtcoreError(message, fix=fix)
 
 
 def _wire_model_config(state: TrainState) -> None:
