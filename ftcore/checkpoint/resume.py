@@ -32,11 +32,6 @@ from ftcore.runtime import collectives, safe_files
 
 log = logging.getLogger("ftcore")
 
-# Keys whose change makes the saved weights meaningless for this run (paths may move; whether a
-# random base is allowed is a check, not a shape).
-_MODEL_KEYS_IGNORED = {"hf_path", "tokenizer", "init_path", "name", "allow_random_base"}
-_PEFT_SHAPE_KEYS = ("r", "target_modules")  # what sets the adapters' tensors
-
 
 def layout() -> dict:
     return {
@@ -271,60 +266,12 @@ def _loader_states(gathered: list[dict]) -> list | None:
     return [by_dp[i] for i in sorted(by_dp)]
 
 
-def check_compatible(state, common: dict, path) -> None:
-    """Refuse a checkpoint of another model or PEFT mode before megatron fails obscurely."""
-    # data, never resolved: an `${oc.env:...}` in it would print your secret in the message below
-    saved = safe_files.run_config(str(common["config"]), f"{path}/common.pt (its config)",
-                                  "checkpoint.resume")  # fmt: skip
-    now = state.cfg
-    diffs = [
-        f"model.{k}: {saved.model.get(k)} -> {now.model.get(k)}"
-        for k in now.model
-        if k not in _MODEL_KEYS_IGNORED and saved.model.get(k) != now.model.get(k)
-    ]
-    if diffs:
-        raise FtcoreError(
-            f"checkpoint {path} was saved for another model ({'; '.join(diffs)})",
-            field="checkpoint.resume",
-            fix="resume with the model it was saved with, or checkpoint.resume=never / another run.dir",
-        )
-    if bool(common["adapter_only"]) != adapter_only(now):
-        kind = "an adapter-only (PEFT)" if common["adapter_only"] else "a full"
-        raise FtcoreError(
-            f"checkpoint {path} is {kind} checkpoint but this run has peft.name={now.peft.name}",
-            field="peft.name",
-            fix="resume with the peft settings it was saved with",
-        )
-    if adapter_only(now):  # a smaller rank would load a slice of each saved adapter, silently
-        shape = [f"peft.{k}: {saved.peft.get(k)} -> {now.peft.get(k)}" for k in _PEFT_SHAPE_KEYS
-                 if saved.peft.get(k) != now.peft.get(k)]  # fmt: skip
-        if shape:
-            raise FtcoreError(
-                f"checkpoint {path} holds adapters of another shape ({'; '.join(shape)})",
-                field="peft",
-                fix="resume with the peft settings it was saved with, or another run.dir",
-            )
-    changed = _changed_keys(
-        OmegaConf.to_container(saved), OmegaConf.to_container(now, resolve=True)
-    )
-    changed = [
-        k for k in changed if not k.startswith(("run.", "launcher.", "parallel.", "checkpoint."))
-    ]
-    if changed and state.info.rank == 0:
-        log.warning("config differs from the checkpoint's in: %s", ", ".join(changed))
-
-
-def _changed_keys(a, b, prefix: str = "") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for k in sorted(set(a) | set(b), key=str):
-            out += _changed_keys(a.get(k), b.get(k), f"{prefix}{k}.")
-        return out
-    return [] if a == b else [prefix.rstrip(".")]
-
-
-def restore(state, loaded: dict, path, optimizer_note: str | None = None) -> list[str]:
-    """Put a loaded checkpoint into the run; returns what could not be carried over (warnings)."""
+def restore(
+    state, loaded: dict, path, optimizer_note: str | None = None, *, new_data: bool = False
+) -> list[str]:
+    """Put a loaded checkpoint into the run; returns what could not be carried over (warnings).
+    The run's own optimizer settings and schedule apply from here on (checkpoint/changes.py);
+    `new_data`: the data stream changed (checkpoint.allow_changed), so it starts at its beginning."""
     from ftcore.runtime import cpu
 
     common = loaded["ftcore"]
@@ -341,13 +288,16 @@ def restore(state, loaded: dict, path, optimizer_note: str | None = None) -> lis
                                   fix="resume with the peft settings it was saved with")  # fmt: skip
         else:
             unwrap(chunk).load_state_dict(part)
+    own = _group_settings(state.optimizer)  # the run's own values apply from here on
     with cpu.device_mode(), torch.no_grad():  # the distributed optimizer copies into fp32 params
         if optimizer_note is None:
             with _torch_adam_steps(state.optimizer):
                 state.optimizer.load_state_dict(loaded["optimizer"])
         else:
             state.optimizer.reload_model_params()  # fp32 main copies from the loaded weights
-    state.scheduler.load_state_dict(loaded["scheduler"])
+    for group, settings in zip(state.optimizer.param_groups, own, strict=True):
+        group.update(settings)
+    state.scheduler.load_state_dict(loaded["scheduler"])  # the step count; values are the run's
     state.step = int(common["step"])
     state.consumed_samples = int(common["consumed_samples"])
     state.bad_steps = int(common.get("bad_steps", 0))
@@ -358,9 +308,19 @@ def restore(state, loaded: dict, path, optimizer_note: str | None = None) -> lis
         notes.append(f"RNG states not restored (saved at {_fmt(saved)}, now {_fmt(now)}): dropout masks "
                      "will differ from an uninterrupted run; weights, optimizer and data position are resharded")  # fmt: skip
         torch.manual_seed(state.cfg.run.seed + state.step)
-    _restore_loader(state, common.get("loader"), saved, path)
+    if not new_data:
+        _restore_loader(state, common.get("loader"), saved, path)
     _restore_wandb_id(state, common.get("wandb_id"))
     return notes
+
+
+# What this run's config sets in each optimizer param group (megatron's max_lr/min_lr feed the
+# schedule; Adam's betas and eps), which loading the optimizer's state would take from the checkpoint.
+_GROUP_SETTINGS = ("max_lr", "min_lr", "wd_mult", "lr_mult", "betas", "eps", "weight_decay")
+
+
+def _group_settings(optimizer) -> list[dict]:
+    return [{k: g[k] for k in _GROUP_SETTINGS if k in g} for g in optimizer.param_groups]
 
 
 def _restore_loader(state, states: list | None, saved: dict, path) -> None:

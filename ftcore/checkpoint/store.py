@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ftcore.checkpoint import files, resume
+from ftcore.checkpoint import changes, files, resume
 from ftcore.errors import FtcoreError
 from ftcore.runtime import collectives, cpu, safe_files
 
@@ -311,7 +311,7 @@ def load(state, path: Path) -> list[str]:
             field="checkpoint.resume",
             fix="a step_<N> directory ftcore saved, or checkpoint.resume=never",
         )
-    resume.check_compatible(state, common["ftcore"], path)
+    new_data = changes.check_compatible(state, common["ftcore"], path)
     optimizer_note = resume.optimizer_loadable(state.cfg, common["ftcore"])
     try:
         with cpu.device_mode(), safe_files.megatron_readers():
@@ -329,7 +329,7 @@ def load(state, path: Path) -> list[str]:
             field="checkpoint.resume",
             fix="resume at the layout it was saved with (see its manifest.json), or checkpoint.resume=never",
         ) from e
-    return resume.restore(state, loaded, path, optimizer_note)
+    return resume.restore(state, loaded, path, optimizer_note, new_data=bool(new_data))
 
 
 def _refusal(e: BaseException) -> FtcoreError | None:

@@ -248,6 +248,9 @@ class CheckpointConfig:
     # GPU only: write in the background, publish when done (CPU: synchronous)
     async_save: bool = True
     verify: bool = True  # checksums of every file: written at save, checked before a load
+    # keys that decide the data stream (data.*, run.seed) a resumed run may change from its
+    # checkpoint's; the new data is then read from its start (docs/checkpoints.md). Others apply.
+    allow_changed: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -114,7 +114,7 @@ RANGES: dict[str, Range] = {
     "optim.weight_decay": AT_LEAST_0,
     "optim.betas.*": Range(0, 1, hi_open=True),
     "optim.eps": POSITIVE,
-    "sched.warmup_steps": Range(0, note="longer than the run is clamped to train.max_steps"),
+    "sched.warmup_steps": Range(0, note="longer than the run is scaled to train.max_steps"),
     "sched.min_lr": AT_LEAST_0,
     "eval.interval": Range(0, note="0 = off"),
     "eval.iters": AT_LEAST_1,

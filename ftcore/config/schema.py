@@ -66,9 +66,8 @@ def compose(overrides: list[str], info: str | None = None) -> DictConfig | None:
         TypeError,
         KeyError,
     ) as e:
-        raise FtcoreError(
-            _one_line_hydra_error(e), fix="check the key and value against conf/"
-        ) from e
+        raise FtcoreError(*_unparsable(e, overrides) or (_one_line_hydra_error(e),),
+                          fix=_fix_for(e, overrides)) from e  # fmt: skip
     finally:
         GlobalHydra.instance().clear()
     OmegaConf.set_struct(cfg, True)
@@ -89,6 +88,38 @@ def _check_epochs(cfg: DictConfig, overrides: list[str]) -> None:
     if any(o.lstrip("+~").startswith("train.max_steps=") for o in overrides):
         raise FtcoreError("both train.epochs and train.max_steps are given", field="train.epochs",
                           fix="give one: the step count is derived from epochs and the data size")  # fmt: skip
+
+
+def _bad_override(e: BaseException, overrides: list[str]) -> str | None:
+    """The override Hydra's parser could not read (an apostrophe, a comma, a bracket), if that is
+    the error."""
+    from hydra.errors import OverrideParseException
+
+    if not isinstance(e, OverrideParseException):
+        return None
+    return next((o for o in overrides if o and o in str(e)), None)
+
+
+def _unparsable(e: BaseException, overrides: list[str]) -> tuple[str] | None:
+    bad = _bad_override(e, overrides)
+    if bad is None:
+        return None
+    key = bad.lstrip("+~").split("=", 1)[0]
+    return (f"{key}: Hydra's override parser cannot read {bad!r} ({type(e).__name__})",)
+
+
+def _fix_for(e: BaseException, overrides: list[str]) -> str:
+    """How to pass a value Hydra's parser cannot read; a prompt goes in a file. Any other error:
+    check it against conf/."""
+    bad = _bad_override(e, overrides)
+    if bad is None:
+        return "check the key and value against conf/"
+    key = bad.lstrip("+~").split("=", 1)[0]
+    if key == "generate.prompt":
+        return ("a prompt with quotes or commas goes in a file: generate.prompt_file=prompt.txt "
+                "(or generate.prompt_file=- to read standard input; docs/quickstart.md)")  # fmt: skip
+    return (f"quote the value for Hydra inside the shell's quotes: '{key}=\"...\"' (an apostrophe "
+            "inside: docs/quickstart.md), or a file where the key takes one")  # fmt: skip
 
 
 def _one_line_hydra_error(e: BaseException) -> str:

@@ -61,13 +61,15 @@ def detect_source(path: str, field: str = "data.path") -> str:
     return "instruction"  # nothing readable: the tokenizer's pass reports each record
 
 
-def resolve(cfg, say: bool = True) -> None:
+def resolve(cfg, say: bool = True, kind: str = "train") -> None:
     """Replace `auto` in data.format (and in mix entries without their own format) by what the
-    records show, saying which it chose; explicit formats are kept."""
+    records show, saying which it chose; explicit formats are kept. `kind` "eval": the records
+    ftcore.eval reads (data.path, else the validation file); "generate" reads no records and
+    leaves `auto` (its prompt is rendered as an instruction)."""
     from ftcore.config.schema import assets_dir
 
     d = cfg.data
-    if d.format != "auto":
+    if d.format != "auto" or kind == "generate":
         return
     chosen = []
     if d.mix:
@@ -78,8 +80,13 @@ def resolve(cfg, say: bool = True) -> None:
         d.format = d.mix[0].format
     else:
         objective = (cfg.get("objective") or {}).get("name")  # its bundled sample (bundled_data)
-        name = {"dpo": "preference_train", "grpo": "prompts_train"}.get(objective, "train")
-        path = d.path or str(assets_dir() / "data" / f"{name}.jsonl")
+        split = "val" if kind == "eval" else "train"  # eval reads the validation file
+        name = {"dpo": f"preference_{split}", "grpo": f"prompts_{split}"}.get(objective, split)
+        path = (
+            d.path
+            or (kind == "eval" and d.val_path)
+            or str(assets_dir() / "data" / f"{name}.jsonl")
+        )
         d.format = detect_source(path)
         chosen.append(f"{path}: {d.format}")
     if d.val_path:  # validation records are rendered as the training ones are

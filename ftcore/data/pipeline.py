@@ -15,7 +15,15 @@ from ftcore.config.schema import assets_dir
 from ftcore.data import formats
 from ftcore.data.packing import MicroBatch, attention_mask_from_segments, make_microbatch
 from ftcore.data.sampler import Sampler, rng
-from ftcore.data.samples import Docs, doc_learn, doc_lengths, doc_rows, per_sample, truncate
+from ftcore.data.samples import (
+    Docs,
+    doc_learn,
+    doc_lengths,
+    doc_rows,
+    name_drops,
+    per_sample,
+    truncate,
+)
 from ftcore.data.templates import Doc
 from ftcore.data.tokenized import tokenize_source
 from ftcore.data.transfer import pin_host_batches
@@ -103,7 +111,10 @@ def _load_train(cfg, tokenizer) -> tuple[Docs, list[int]]:
         docs.bad_records += tok.bad_records
         train_ids, _ = held_out_split(tok.samples, cfg)
         d = cfg.data
+        named = len(docs.drop_examples)
         ids = truncate(docs, tok, train_ids, d.seq_len, d.truncate, fits(cfg, tok.group))
+        if _rank0():
+            name_drops(path, tok, docs.drop_examples[named:])
         if len(ids) == 0:
             raise FtcoreError(
                 f"every sample of {path} is longer than data.seq_len"
@@ -222,6 +233,8 @@ class TrainLoader:
             "truncated": self.docs.truncated,
             "bad_records": self.docs.bad_records,
             "rows": rows,
+            # target tokens / slots (the benchmarks' recorded field keeps this meaning); the log's
+            # "packing efficiency" is slot_fill, the share of slots holding tokens
             "packing_efficiency": targets / max(1, slots),
             "slot_fill": tokens / max(1, slots),
         }
@@ -249,7 +262,7 @@ def log_report(report: dict, what: str = "train") -> None:
     r = report
     log.info(
         "data (%s): %d %s, %d tokens, %d target tokens, %d rows; dropped %d, truncated %d, bad records %d; "
-        "packing efficiency %.1f%% (target tokens / slot tokens; %.1f%% of slots hold tokens)",
+        "packing efficiency %.1f%% (of the rows' token slots; %.1f%% hold loss targets)",
         what,
         r["samples"],
         r.get("unit", "samples"),
@@ -259,13 +272,14 @@ def log_report(report: dict, what: str = "train") -> None:
         r["dropped"],
         r["truncated"],
         r["bad_records"],
-        100 * r["packing_efficiency"],
         100 * r["slot_fill"],
+        100 * r["packing_efficiency"],
     )
     if r["dropped"] and r.get("unit") == "pairs":
-        log.warning("%d preference pairs dropped: a prompt that fills data.seq_len (as TRL drops "
-                    "it), a sequence over it with data.truncate=drop, or, packed, two sequences "
-                    "longer than a row together; raise data.seq_len to keep them", r["dropped"])  # fmt: skip
+        log.warning("%d preference pairs dropped (the first named above, with the rule): a prompt "
+                    "that fills data.seq_len (as TRL drops it), a sequence over it with "
+                    "data.truncate=drop, or, packed, two sequences longer than a row together; "
+                    "raise data.seq_len to keep them", r["dropped"])  # fmt: skip
 
 
 def _rank0() -> bool:
@@ -301,19 +315,31 @@ def set_steps_from_epochs(cfg, rows: int, loader: TrainLoader | None = None) -> 
         partial = total % t.global_batch_size
         if _rank0():
             last = f"; the last step takes the {partial} rows left" if partial else ""
-            log.info("train.epochs=%g: %d steps over %d rows (%d per epoch)%s", t.epochs,
-                     t.max_steps, total, rows, last)  # fmt: skip
+            log.info("train.epochs=%g: %d steps over %d rows (%d per epoch)%s%s", t.epochs,
+                     t.max_steps, total, rows, last, _pairs_note(cfg, loader))  # fmt: skip
     else:
         if t.epochs is not None:
             t.max_steps = max(1, math.ceil(t.epochs * rows / t.global_batch_size))
         epochs = t.max_steps * t.global_batch_size / max(1, rows)
         if _rank0():
-            log.info("%d steps x %d rows = %.2f epochs of %d training rows", t.max_steps,
-                     t.global_batch_size, epochs, rows)  # fmt: skip
+            log.info("%d steps x %d rows = %.2f epochs of %d training rows%s", t.max_steps,
+                     t.global_batch_size, epochs, rows, _pairs_note(cfg, loader))  # fmt: skip
     if _rank0() and epochs > REPEAT_WARNING:
         log.warning("the run repeats its training data %.1f times (more than %d): it may "
                     "memorise it; fewer steps (train.epochs / train.max_steps) or more data "
                     "may generalise better", epochs, REPEAT_WARNING)  # fmt: skip
+
+
+def _pairs_note(cfg, loader: TrainLoader | None) -> str:
+    """Packed preference data: train.global_batch_size counts packed rows of whole pairs, not
+    pairs (docs/preference.md); say how many pairs that makes a step."""
+    if loader is None or loader.report.get("unit") != "pairs" or not cfg.data.packing:
+        return ""
+    r = loader.report
+    per_row = r["samples"] / max(1, r["rows"])
+    return (f" (packed: a row holds {per_row:.1f} of the {r['samples']} pairs on average, so a "
+            f"step of {cfg.train.global_batch_size} rows trains ~{per_row * cfg.train.global_batch_size:.0f} pairs; "
+            "data.packing=false makes train.global_batch_size count pairs)")  # fmt: skip
 
 
 def _val_docs(cfg, tokenizer, path: str | None) -> Docs:

@@ -11,6 +11,7 @@ ranks, and its documents never see each other.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,6 +19,8 @@ import numpy as np
 
 from ftcore.data.templates import Doc
 from ftcore.data.tokenized import DocTable, Tokenized
+
+log = logging.getLogger("ftcore")
 
 
 @dataclass
@@ -31,6 +34,8 @@ class Docs:
     dropped: int = 0  # samples dropped: too long (data.truncate=drop), or nothing left to learn
     bad_records: int = 0
     group: int = 1  # documents per sample: 2 for preference pairs
+    # the first dropped samples of each source: (sample number in its source, 0-based, why)
+    drop_examples: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def samples(self) -> int:
@@ -56,16 +61,29 @@ def truncate(
     lengths = np.asarray(tok.offsets[doc_ids + 1], np.int64) - start
     learn = tok.doc_learn(doc_ids)
     keep, cut = np.ones(len(doc_ids), bool), np.zeros(len(doc_ids), bool)
+    why: dict[int, str] = {}  # sample -> the rule that dropped it (the first few are named)
     for j in np.flatnonzero(lengths > seq_len):
         a = int(start[j])
         n = np.count_nonzero(tok.targets[a + 1 : a + seq_len]) if policy != "drop" else 0
         if n == 0:  # dropped, or nothing left to learn from (a prompt filling seq_len)
             keep[j] = False
+            what = ("chosen", "rejected")[j % 2] + " sequence" if g == 2 else "sample"
+            if len(why) < 3:
+                why.setdefault(j // g, f"its {what} has {lengths[j]} tokens, over data.seq_len={seq_len} "
+                               "(data.truncate=drop)" if policy == "drop" else
+                               f"its prompt fills data.seq_len={seq_len}: no {what.split()[0]} "
+                               "token is left to learn from")  # fmt: skip
             continue
         lengths[j], learn[j], cut[j] = seq_len, n, True
     whole = keep.reshape(-1, g).all(1)
     if fits is not None and len(whole):
-        whole &= fits(lengths.reshape(-1, g))
+        fit = fits(lengths.reshape(-1, g))
+        for i in np.flatnonzero(whole & ~fit)[:3]:
+            pair = lengths.reshape(-1, g)[i]
+            why[int(i)] = (f"packed, its sequences of {' + '.join(map(str, pair))} tokens (each rounded up "
+                           f"to data.pack_multiple) do not fit one row of data.seq_len={seq_len}")  # fmt: skip
+        whole &= fit
+    docs.drop_examples += [(int(picks[i]), why[i]) for i in sorted(why)[:3]]
     docs.dropped += int((~whole).sum())
     docs.truncated += int((cut.reshape(-1, g).any(1) & whole).sum())
     mask = np.repeat(whole, g)
@@ -117,3 +135,27 @@ def doc_rows(
             tags.append([(p, k)] if r else [])
         p += len(r)
     return out, tags
+
+
+def name_drops(path: str, tok, examples: list[tuple[int, str]]) -> None:
+    """Say where the first dropped samples of a source are and which rule dropped them. A sample
+    is the source's n-th record when no record was bad (else it is named by its number)."""
+    if not examples:
+        return
+    from ftcore.data import sources
+
+    wheres, wanted = {}, {k for k, _ in examples}
+    if tok.bad_records == 0:
+        n = 0
+        for where, rec in sources.iter_records(sources.resolve(path)):
+            if isinstance(rec, sources.RecordError):
+                continue
+            if n in wanted:
+                wheres[n] = where
+            n += 1
+            if n > max(wanted):
+                break
+    what = "pair" if tok.group > 1 else "sample"
+    for k, why in examples:
+        where = wheres.get(k, f"{path}: {what} {k + 1} (counting the good records)")
+        log.warning("dropped the %s at %s: %s", what, where, why)

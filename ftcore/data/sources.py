@@ -1,17 +1,19 @@
-"""Where records come from: JSONL/JSON/Parquet files, directories of them, and Hugging Face datasets.
+"""Where records come from: JSONL/JSON/CSV/Parquet files, directories of them, and Hugging Face
+datasets.
 
 Every record comes with where it was found ("file:line" or "file:row"), so a bad one can be named.
 JSON and JSONL are parsed here line by line (a malformed line or invalid UTF-8 is reported with its
-line number, which Arrow's JSON reader cannot do). Parquet and `save_to_disk` directories are read
-with pyarrow, one batch of rows at a time, writing nothing anywhere; datasets in the local Hugging
-Face cache go through `datasets`, offline. Files are opened through ftcore's one door
-(ftcore/runtime/safe_files); the record limits below hold for every format: an Arrow row is
-measured before it becomes Python, and a Parquet row group of one row by the file's metadata,
-before it is decoded.
+line number, which Arrow's JSON reader cannot do); CSV by the standard library's reader, row by
+row, every cell a string. Parquet and `save_to_disk` directories are read with pyarrow, one batch
+of rows at a time, writing nothing anywhere; datasets in the local Hugging Face cache go through
+`datasets`, offline. Files are opened through ftcore's one door (ftcore/runtime/safe_files); the
+record limits below hold for every format: an Arrow row is measured before it becomes Python, and
+a Parquet row group of one row by the file's metadata, before it is decoded.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ from pathlib import Path
 from ftcore.errors import FtcoreError
 from ftcore.runtime import safe_files
 
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 # Bounds on one record (docs/data.md): beyond them it is a bad record (skipped and counted with
 # data.on_bad_record=skip), never a crash and never held whole in memory.
 MAX_RECORD_BYTES = 64 << 20  # 64 MiB: ~16M tokens of text, far beyond any seq_len
@@ -52,7 +54,7 @@ def resolve(path: str, field: str = "data.path") -> list[Path] | str:
             raise FtcoreError(
                 f"directory {p} holds no data files ({', '.join(DATA_SUFFIXES)})",
                 field=field,
-                fix="point it at a directory with .jsonl, .json or .parquet files",
+                fix="point it at a directory with .jsonl, .json, .csv or .parquet files",
             )
         return files
     if not path.startswith((".", "/", "~")) and path.count("/") <= 1 and not p.suffix:
@@ -88,6 +90,8 @@ def iter_records(files: list[Path] | str) -> Iterator[tuple[str, object]]:
             yield from _nonempty(f, _disk_rows(f))
         elif f.suffix == ".parquet":
             yield from _nonempty(f, _parquet_rows(f))
+        elif f.suffix == ".csv":
+            yield from _csv_records(f)
         else:
             yield from _json_records(f)
 
@@ -124,6 +128,51 @@ def _json_records(f: Path) -> Iterator[tuple[str, object]]:
         raise FtcoreError(
             f"{f} is empty", field="data.path", fix="give a file with at least one record"
         )
+
+
+def _csv_records(f: Path) -> Iterator[tuple[str, object]]:
+    """A CSV file whose header row names the fields (instruction,output / prompt,completion /
+    text / prompt,chosen,rejected ...): one record per row, each cell a string as written (no
+    type guessing: an answer "4" stays text), an empty cell an absent field. A row with more cells
+    than the header, or a cell beyond MAX_RECORD_BYTES, is a bad record."""
+    import csv
+
+    csv.field_size_limit(MAX_RECORD_BYTES)
+    with io.TextIOWrapper(safe_files.open_read(f, "data.path"), encoding="utf-8", newline="") as fh:
+        try:
+            rows = csv.reader(fh)
+            header = next(rows, None)
+            if header is None:
+                raise FtcoreError(f"{f} is empty", field="data.path",
+                                  fix="give a CSV file with a header row and at least one record")  # fmt: skip
+            seen, line = False, rows.line_num + 1
+            while True:
+                where = f"{f}:{line}"
+                try:
+                    cells = next(rows)
+                except StopIteration:
+                    break
+                except csv.Error as e:
+                    yield where, RecordError(where, f"unreadable CSV row: {e}")
+                    line = rows.line_num + 1
+                    continue
+                line = rows.line_num + 1
+                if not any(c.strip() for c in cells):
+                    continue
+                seen = True
+                if len(cells) > len(header):
+                    yield (
+                        where,
+                        RecordError(where, f"{len(cells)} cells under a header of {len(header)}"),
+                    )
+                    continue
+                yield where, {k: v for k, v in zip(header, cells) if v != ""}
+        except UnicodeDecodeError as e:
+            raise FtcoreError(f"{f}: invalid UTF-8 ({e.reason})", field="data.path",
+                              fix="re-encode the file as UTF-8") from None  # fmt: skip
+    if not seen:
+        raise FtcoreError(f"{f} holds a header but no records", field="data.path",
+                          fix="give a CSV file with at least one record")  # fmt: skip
 
 
 def _too_large() -> str:
@@ -274,6 +323,25 @@ def _arrow_rows(f, batches, first: int = 1) -> Iterator[tuple[str, object]]:
                 yield where, RecordError(where, _too_large())
             else:
                 yield where, row.to_pylist()[0]
+
+
+def split_note(path: str) -> str | None:
+    """For a `save_to_disk` DatasetDict, which split training reads and how to take another (the
+    log line of tokenized.tokenize_source)."""
+    d = Path(path).expanduser()
+    if not (d / "dataset_dict.json").is_file():
+        return None
+    try:
+        splits = safe_files.read_json_object(d / "dataset_dict.json", "data.path", root=d).get(
+            "splits"
+        )
+    except FtcoreError:
+        return None  # the read itself (_disk_rows) says what is wrong
+    if not isinstance(splits, list) or len(splits) < 2:
+        return None
+    other = next(str(s) for s in splits if s != "train")
+    return (f"data {d} is a DatasetDict of splits {', '.join(map(str, splits))}: its train split "
+            f"is read (another split is its own directory: e.g. data.path={d / other})")  # fmt: skip
 
 
 def _parquet_rows(f: Path) -> Iterator[tuple[str, object]]:

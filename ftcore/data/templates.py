@@ -102,6 +102,23 @@ def resolve_template(tokenizer, name: str | None) -> str:
     return safe_files.read_text(path, "data.chat_template", limit=1 << 20)
 
 
+def describe_template(cfg, tokenizer) -> str:
+    """Which chat template data.chat_template picks, for the log: a built-in, a file, or the
+    tokenizer's own (named after the built-in it equals, if one)."""
+    from ftcore.data.tokenizer import tokenizer_source
+
+    name = cfg.data.chat_template
+    if name in BUILTIN_TEMPLATES:
+        return f"{name} (data.chat_template)"
+    if name is not None:
+        return f"{name} (data.chat_template, a file)"
+    own = resolve_template(tokenizer, None)
+    same = next((k for k, t in BUILTIN_TEMPLATES.items() if t == own), None)
+    return (
+        f"the tokenizer's own ({tokenizer_source(cfg)[0]}){f', the same as {same}' if same else ''}"
+    )
+
+
 def _string(rec: dict, key: str, *, required: bool = True) -> str | None:
     if key not in rec or rec[key] is None:
         if required:

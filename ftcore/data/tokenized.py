@@ -213,6 +213,9 @@ def _load(entry: Path, key: str) -> Tokenized | None:
     )  # fmt: skip
 
 
+_SAID: set[str] = set()
+
+
 def _dist():
     import torch.distributed as dist
 
@@ -231,6 +234,10 @@ def tokenize_source(
     """The documents of one data path, from the cache when it is there."""
     fmt = fmt or data_cfg.format
     files = sources.resolve(path, field)
+    note = sources.split_note(str(path))
+    if note and note not in _SAID and (_dist() is None or _dist().get_rank() == 0):
+        _SAID.add(note)  # once per process: held-out evaluation reads the same path again
+        log.info("%s", note)
     if fmt == "auto":  # a caller that did not resolve the config first (formats.resolve)
         from ftcore.data import formats
 

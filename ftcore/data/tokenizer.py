@@ -60,4 +60,11 @@ def load_tokenizer(cfg):
         ) from e
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    # ftcore cuts documents at data.seq_len itself: the tokenizer's own model_max_length would
+    # only make transformers warn ("Token indices sequence length is longer than the specified
+    # maximum ...") about documents that ftcore then truncates or drops, and says so
+    tok.model_max_length = NO_LIMIT
     return tok
+
+
+NO_LIMIT = int(1e30)  # transformers' VERY_LARGE_INTEGER: "no maximum length"

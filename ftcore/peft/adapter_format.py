@@ -189,6 +189,11 @@ def write_hf_adapter(state) -> Path | None:
     sd, targets = to_peft(full, cfg.model.family)
     save_adapter(out, sd, s, targets, base_reference(cfg), cfg.model)
     log.info("wrote the adapter (%d tensors, PEFT format) to %s", len(sd), out)
+    if moe_format.is_moe(cfg.model) and {"gate_proj", "up_proj"} <= set(targets):
+        log.info("PEFT 0.21 prints 'rank_pattern (alpha_pattern) keys did not match any targeted "
+                 "module and were ignored: .*\\.gate_up_proj' loading it onto transformers 5: they "
+                 "are PEFT's own keys for the fused experts, and applied (its check looks at "
+                 "modules, not parameters; its own MoE adapters print the same: docs/moe.md)")  # fmt: skip
     return out
 
 
@@ -241,3 +246,5 @@ def load_hf_adapter(chunks, s: LoraSettings, cfg) -> None:
                 field=field, fix="use the adapter with the base model it was trained on",
             )  # fmt: skip
         p.copy_(take_shard(full.float(), info, tp_rank, tp).to(p.dtype))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info("loaded the adapter %s (peft.adapter_path: %d tensors)", s.adapter_path, len(sd))

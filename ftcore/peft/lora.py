@@ -76,8 +76,10 @@ def _layers(chunks):
         yield from unwrap(chunk).decoder.layers
 
 
-def apply_peft(cfg: DictConfig, chunks: list) -> LoraSettings:
-    """Freeze the base, (QLoRA: quantise its linears to NF4), add adapters, init or load them."""
+def apply_peft(cfg: DictConfig, chunks: list, *, say: bool = True) -> LoraSettings:
+    """Freeze the base, (QLoRA: quantise its linears to NF4), add adapters, init or load them.
+    `say`: log the trainable-parameter count (a training run's line; eval and generate train
+    nothing)."""
     check_config(cfg)
     s = settings(cfg)
     plan = plan_targets(s.targets, cfg.model)
@@ -121,7 +123,7 @@ def apply_peft(cfg: DictConfig, chunks: list) -> LoraSettings:
     if s.adapter_path:
         load_hf_adapter(chunks, s, cfg)
     trainable, total = count_params(cfg, chunks)
-    if dist.get_rank() == 0 if dist.is_initialized() else True:
+    if say and (dist.get_rank() == 0 if dist.is_initialized() else True):
         log.info("trainable params: %s || all params: %s || trainable%%: %.4f",
                  f"{trainable:,d}", f"{total:,d}", 100 * trainable / total)  # fmt: skip
     return s

@@ -48,6 +48,10 @@ class MetricsWriter:
         self.log_interval = max(1, cfg.logger.log_interval)
         self.wandb = None
         self.bar = None
+        m = cfg.model
+        # expert_load_max_over_mean at num_experts / top-k: every token went to the same top-k
+        # experts in some layer (the router collapsed); said once
+        self.collapsed_at = m.num_experts / m.moe_router_topk if m.get("num_experts") else None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -104,17 +108,28 @@ class MetricsWriter:
             self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
         step = record["step"]
         if "loss" in record:
-            info = f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s"
+            more = objective_fields(record)
+            info = f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s{more}"
             if self.bar is not None:
                 self.bar.update(self.task, completed=step, info=info)
             elif step % self.log_interval == 0 or step == self.total:
                 log.info(
                     "step %d/%d | loss %.4f | grad_norm %.3f | lr %.3e | %.0f tok/s | %.2f s/step%s",
                     step, self.total, record["loss"], record["grad_norm"], record["lr"],
-                    record["tokens_per_s"], record["step_time_s"], rollout_fields(record),
+                    record["tokens_per_s"], record["step_time_s"], rollout_fields(record) + more,
                 )  # fmt: skip
+            self._router_collapse(record)
         else:
             log.info("step %d | eval_loss %.4f", step, record["eval_loss"])
+
+    def _router_collapse(self, record: dict) -> None:
+        load = record.get("expert_load_max_over_mean")
+        if self.collapsed_at is None or load is None or load < self.collapsed_at * (1 - 1e-6):
+            return
+        log.warning("step %d: expert_load_max_over_mean %.2f = num_experts / top-k: in some layer "
+                    "every token went to the same experts (the router collapsed); lower optim.lr "
+                    "or raise moe.aux_loss_coeff (docs/moe.md)", record["step"], load)  # fmt: skip
+        self.collapsed_at = None  # said once
 
     def close(self) -> None:
         if not self.enabled:
@@ -130,6 +145,19 @@ class MetricsWriter:
                 0 if exc is None else next((c for t, c in codes.items() if isinstance(exc, t)), 1)
             )
             self.wandb.finish(exit_code=code)
+
+
+def objective_fields(record: dict) -> str:
+    """What the console step line adds to the loss: DPO's reward accuracy and margin, MoE's
+    auxiliary loss and expert load (all in metrics.jsonl too)."""
+    out = ""
+    if "rewards/accuracies" in record:
+        out += f" | acc {record['rewards/accuracies']:.3f} | margin {record['rewards/margins']:.4f}"
+    if "aux_loss" in record:
+        out += f" | aux_loss {record['aux_loss']:.4g}"
+    if "expert_load_max_over_mean" in record:
+        out += f" | expert load {record['expert_load_max_over_mean']:.2f}"
+    return out
 
 
 def rollout_fields(record: dict) -> str:

@@ -97,6 +97,12 @@ def grad_norm(optimizer) -> float:
 
 
 def build_scheduler(cfg: DictConfig, optimizer) -> OptimizerParamScheduler:
+    """megatron's schedule, read at the step being taken: the trainer advances it just before
+    each update, so step k (1-based) trains at its value at k. The warm-up rises from 0 (before
+    step 1) to optim.lr at step sched.warmup_steps, so step 1 trains at optim.lr / warmup_steps
+    (megatron's and HF's loops, stepping the schedule after the update, train their first step
+    at lr 0); the decay reaches sched.min_lr at step train.max_steps. The run's own settings,
+    not the checkpoint's, set the schedule on resume (only the step count comes from there)."""
     s = cfg.sched
     if s.name not in ("cosine", "linear", "constant"):
         raise FtcoreError(
@@ -116,18 +122,22 @@ def build_scheduler(cfg: DictConfig, optimizer) -> OptimizerParamScheduler:
         end_wd=cfg.optim.weight_decay,
         wd_incr_steps=max(steps, 1),
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )
 
 
 def warmup_steps(cfg: DictConfig) -> int:
-    """sched.warmup_steps, clamped to the run: a warm-up longer than train.max_steps would never
-    reach optim.lr (a short trial run of a long recipe), so it ends at the last step instead."""
+    """sched.warmup_steps, scaled to the run: a warm-up longer than train.max_steps would never
+    reach optim.lr (a short trial run of a long recipe, or train.epochs on little data), so it
+    ends at the last step instead, and the log says so."""
     warmup, steps = cfg.sched.warmup_steps, cfg.train.max_steps
     if warmup <= steps:
         return warmup
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        log.warning("sched.warmup_steps=%d is longer than the run (train.max_steps=%d): clamped to %d",
-                    warmup, steps, steps)  # fmt: skip
+        log.warning("sched.warmup_steps=%d is longer than the run (train.max_steps=%d): the warm-up "
+                    "is scaled to the run, the lr rising to optim.lr=%.3e at step %d (step 1: %.3e)",
+                    warmup, steps, cfg.optim.lr, steps, cfg.optim.lr / max(steps, 1))  # fmt: skip
     return steps
 
 

@@ -69,7 +69,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
 
         cfg = merge_hf_config(cfg)
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # before the process group
-    formats.resolve(cfg, say=rank == "0")  # data.format=auto: what the records show
+    formats.resolve(cfg, say=rank == "0", kind=kind)  # data.format=auto: what the records show
     adapt(cfg, training=training, say=rank == "0")
     objective = objectives.of(cfg)  # sft, dpo or grpo: one room each (training/objectives/)
     objective.prepare(cfg)
@@ -105,11 +105,15 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
             field="model.vocab_size",
             fix="use the model's own tokenizer (model.tokenizer) or a matching model.vocab_size",
         )
-    # A chat template that training cannot use is refused here, before the model is built.
-    if cfg.data.format != "text":
-        from ftcore.data.templates import Renderer
+    # A chat template that training cannot use is refused here, before the model is built; the
+    # one applied is said (generate renders its prompt as an instruction).
+    fmt = "instruction" if kind == "generate" else cfg.data.format
+    if fmt != "text":
+        from ftcore.data.templates import Renderer, describe_template
 
-        Renderer(state.tokenizer, cfg.data.format, cfg.data.chat_template, cfg.data.train_on_prompt)
+        Renderer(state.tokenizer, fmt, cfg.data.chat_template, cfg.data.train_on_prompt)
+        if info.rank == 0:
+            log.info("chat template: %s", describe_template(cfg, state.tokenizer))
     # 7. Model: this rank's chunks, layout-independent init, then HF weights straight into the shards.
     chunks = build_model(cfg)
     moe_routing.install(chunks)  # layout-independent auxiliary losses, expert load (docs/moe.md)
@@ -123,7 +127,7 @@ def setup(cfg: DictConfig, *, data: bool = True, kind: str = "train") -> TrainSt
     if cfg.peft.name != "none":
         from ftcore.peft.lora import apply_peft
 
-        apply_peft(cfg, chunks)
+        apply_peft(cfg, chunks, say=training)  # the trainable-parameter count, when training
     objective.build(state, chunks, training=training, data=data)  # a reference, reward functions
     state.extra["objective"] = objective
     # 9. Data: this DP rank's shard of a layout-independent global order. Before the schedule:
@@ -217,14 +221,17 @@ def train_step(state: TrainState) -> dict:
         # applies them (clipping skips a NaN norm), poisoning the weights a skip should protect.
         found_inf = state.optimizer.prepare_grads()
         norm = float("nan") if found_inf else optim.grad_norm(state.optimizer)
+        # this step's lr: step k applies the schedule at k (optim.build_scheduler), so the first
+        # step of a warm-up trains, and the lr the step line logs is the one this update used
+        state.scheduler.step(increment=1)
         if not math.isfinite(norm) or not optim.step_with_norm(state.optimizer, norm):
+            state.scheduler.step(increment=-1)  # a skipped step takes no step of the schedule
             return {
                 "loss": loss,
                 "grad_norm": norm,
                 "skipped": True,
                 "target_tokens": target_tokens,
             }
-    state.scheduler.step(increment=1)
     (tokens,) = reduce_sums([float(sum(mb.num_tokens for mb in microbatches))], is_data_rank())
     state.consumed_samples += cfg.train.global_batch_size
     if "update_time_s" in times:  # grpo: the rollout and the update apart (the step line)
@@ -355,30 +362,7 @@ def finish(state: TrainState) -> None:
 
         out = write_hf_model(state)
     if state.info.rank == 0:
+        from ftcore.training.summary import summary
+
         for line in summary(state, out):
             log.info("%s", line)
-
-
-def summary(state: TrainState, hf_out: Path | None) -> list[str]:
-    """The end-of-run lines: what was trained, how it went, where everything is, what to run next."""
-    cfg, run_dir = state.cfg, state.run_dir
-    lines = [f"done: {state.step} steps; run directory {run_dir}"]
-    if "last_loss" in state.extra:
-        lines.append(f"  final training loss {state.extra['last_loss']:.4f}")
-    evals = state.extra.get("eval_losses", [])
-    if evals:
-        best_step, best = min(evals, key=lambda e: e[1])
-        lines.append(
-            f"  validation loss: final {evals[-1][1]:.4f}, best {best:.4f} (step {best_step})"
-        )
-    ckpt = run_dir / "checkpoints"
-    if ckpt.is_dir():
-        lines.append(f"  checkpoints: {ckpt}")
-    if hf_out is not None:
-        lora = cfg.peft.name != "none"
-        lines.append(f"  {'adapter (PEFT)' if lora else 'model (HF)'}: {hf_out}")
-        base = f" model.hf_path={cfg.model.hf_path}" if lora and cfg.model.hf_path else ""
-        use = f"peft.adapter_path={hf_out}" if lora else f"model.hf_path={hf_out}"
-        lines.append(f"  generate with: python -m ftcore.generate +exp={cfg.run.exp}{base} {use}"
-                     " 'generate.prompt=\"...\"'")  # fmt: skip
-    return lines

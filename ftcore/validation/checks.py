@@ -147,6 +147,14 @@ def check_sequence(cfg: DictConfig) -> None:
     """data.seq_len within the model's positions and divisible the way the layout cuts it; a
     context-parallel layout TE accepts (planner/cp.py: the layout search applies the same rules)."""
     m, p, s = cfg.model, cfg.parallel, cfg.data.seq_len
+    if s > m.max_position_embeddings and m.hf_path:  # the user's own checkpoint, not a preset's
+        raise FtcoreError(
+            f"seq_len={s} is beyond the {m.max_position_embeddings} positions of the checkpoint "
+            f"{m.hf_path} (max_position_embeddings in its config.json)",
+            field="data.seq_len",
+            fix=f"data.seq_len={m.max_position_embeddings} (or less: a preset's seq_len is for "
+            "its own model)",
+        )
     if s > m.max_position_embeddings:
         raise FtcoreError(
             f"seq_len={s} is beyond the {m.max_position_embeddings} positions of model "
@@ -371,7 +379,9 @@ def check_layout(
         raise FtcoreError(
             f"cluster.num_gpus={cfg.cluster.num_gpus} but {launched} processes were launched",
             field="cluster.num_gpus",
-            fix="launch that many processes, or set cluster.num_gpus=null",
+            fix="cluster.num_gpus=null (the world is the processes launched), or launch "
+            f"{cfg.cluster.num_gpus}: launcher.nproc_per_node={cfg.cluster.num_gpus} here, that "
+            "many under torchrun/srun",
         )
     return check_world(cfg, world)
 

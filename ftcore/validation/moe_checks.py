@@ -150,7 +150,9 @@ def check_moe(cfg: DictConfig, world: int | None, *, training: bool) -> None:
     if world is not None and world % (ep * etp * p.pp):
         _no(f"megatron lays experts out as etp x ep x expert-dp x pp: ep*etp*pp = {ep}*{etp}*{p.pp} "
             f"= {ep * etp * p.pp} must divide the world size {world}", "parallel.ep",
-            f"launch a multiple of {ep * etp * p.pp} processes, or lower parallel.ep/parallel.etp")  # fmt: skip
+            f"launcher.nproc_per_node={ep * etp * p.pp} (ftcore starts that many workers; under "
+            f"torchrun/srun launch a multiple of {ep * etp * p.pp} processes), or lower "
+            "parallel.ep/parallel.etp")  # fmt: skip
     if etp > 1 and cfg.cluster.device == "cpu":
         _no(f"parallel.etp={etp} on the CPU: megatron's dispatcher then all-gathers uneven token "
             "counts over the expert TP group, which gloo cannot do", "parallel.etp",

@@ -8,6 +8,7 @@ trains the ep=2 run's adapter."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -109,13 +110,36 @@ def ep2(pool2, tiny, tmp_path_factory):
     trained = pool2.run(train_case, base, str(run), ["parallel.ep=2"], data)
     adapter = next(r["adapter"] for r in trained if r["adapter"])
     tok = AutoTokenizer.from_pretrained(base)
-    peft_loss = text_loss(PeftModel.from_pretrained(hf_moe(base), adapter).eval(), tok, data)
-    return {"run": run, "trained": trained, "adapter": adapter, "tok": tok, "peft": peft_loss}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = PeftModel.from_pretrained(hf_moe(base), adapter).eval()
+    ranks = {
+        m.parameter_name: m.r["default"] for m in model.modules() if hasattr(m, "parameter_name")
+    }
+    said = [
+        str(w.message) for w in caught if "keys did not match any targeted module" in str(w.message)
+    ]
+    return {"run": run, "trained": trained, "adapter": adapter, "tok": tok, "peft": text_loss(model, tok, data),
+            "pattern_warnings": said, "param_ranks": ranks}  # fmt: skip
 
 
 def _close(got: float, want: float, what: str, rtol: float = 1e-5) -> None:
     rel = abs(got - want) / want
     assert rel <= rtol, f"{what}: {got} vs {want} (relative {rel:.1e})"
+
+
+@pytest.mark.dist
+def test_peft_warns_of_its_own_fused_keys_only_and_applies_them(ep2):
+    """Issue 52, item 9: loading the adapter, PEFT 0.21.2 warns that '.*\\.gate_up_proj' matched no
+    targeted module: the rank and alpha patterns its own conversion adds for transformers 5's
+    fused experts, which its check compares with module names only (get_peft_model on the same
+    model with gate/up/down targets warns the same). They are applied (the fused gate_up takes 2r:
+    gate's and up's r each), and nothing of ftcore's file warns."""
+    assert ep2["param_ranks"] == {"gate_up_proj": 2 * 4, "down_proj": 4, "weight": 4}, ep2[
+        "param_ranks"
+    ]  # peft.r=4
+    for w in ep2["pattern_warnings"]:
+        assert w.endswith("were ignored: ['.*\\\\.gate_up_proj']."), w
 
 
 @pytest.mark.dist

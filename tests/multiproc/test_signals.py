@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -197,3 +198,68 @@ def test_a_refused_resume_writes_nothing(tiny_lora_run, tmp_path, change, says):
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 2 and says in out, out[-3000:]
     assert _tree(run_dir) == before
+
+
+# Issue 52, item 2: a resume given settings that differ from its checkpoint's applies them, or
+# refuses with exit 2; it never keeps the checkpoint's value. The checkpoint: tiny_lora_run's
+# step 5 (optim.lr 3e-3, sched.warmup_steps 10 scaled to the run's 5 steps).
+
+
+def _resume(tiny_lora_run, tmp_path, *change: str) -> tuple[Path, subprocess.CompletedProcess]:
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_lora_run, run_dir)
+    proc = _train("-m", "ftcore.train", *_CTRL_C, *change, f"run.dir={run_dir}")
+    out = proc.communicate(timeout=300)[0]
+    return run_dir, subprocess.CompletedProcess(proc.args, proc.returncode, out)
+
+
+@pytest.fixture(scope="module")
+def new_lr_and_steps(tiny_lora_run, tmp_path_factory) -> tuple[dict, str]:
+    """tiny_lora_run's step 5 resumed with optim.lr=1e-3 and train.max_steps=7 (one run for the
+    two tests below): the schedule rebuilt from both at step 5 makes step k train at
+    1e-3 * k / 7 (the warm-up scaled to the 7 steps); the checkpoint's kept the old schedule
+    (3e-3 over 5 steps) and trained steps 6 and 7 at sched.min_lr, 3e-4."""
+    run_dir, p = _resume(tiny_lora_run, tmp_path_factory.mktemp("resumed"), "train.max_steps=7",
+                         "optim.lr=1e-3")  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:]
+    return {r["step"]: r["lr"] for r in metric_lines(run_dir)}, p.stdout
+
+
+@pytest.mark.slow
+def test_a_resume_applies_a_changed_lr(new_lr_and_steps):
+    lrs, out = new_lr_and_steps
+    assert "optim.lr 0.003 -> 0.001" in out, out[-3000:]
+    assert lrs[7] == pytest.approx(1e-3, abs=1e-8), lrs  # the new peak, reached at the new end
+
+
+@pytest.mark.slow
+def test_a_resume_applies_a_changed_max_steps(new_lr_and_steps):
+    lrs, out = new_lr_and_steps
+    assert "train.max_steps 5 -> 7" in out, out[-3000:]
+    assert sorted(lrs) == list(range(1, 8))
+    assert lrs[6] / lrs[7] == pytest.approx(6 / 7, rel=1e-4), (
+        lrs
+    )  # the 7-step schedule's shape (8 digits)
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_data_path_is_refused_or_continues_when_allowed(
+    tiny_lora_run, tmp_path
+):
+    """Another data.path: exit 2 naming it and both fixes, the run directory untouched; with
+    checkpoint.allow_changed=[data.path] the run goes on, the new data read from its start."""
+    other = str(ROOT / "ftcore" / "assets" / "data" / "val.jsonl")
+    run_dir, p = _resume(tiny_lora_run, tmp_path, "train.max_steps=6", f"data.path={other}")
+    assert p.returncode == 2, p.stdout[-3000:]
+    (line,) = [ln for ln in p.stdout.splitlines() if ln.startswith("ftcore error:")]
+    assert line.startswith("ftcore error: data.path: ") and other in line, line
+    # the preset holds out 10% of the user's data (ftcore/config/presets.py): a change too
+    allow = re.search(r"'(checkpoint\.allow_changed=\[data\.path,data\.val_fraction\])'", line)
+    assert "a new run.dir" in line and allow, line
+    assert _tree(run_dir) == _tree(tiny_lora_run)
+    shutil.rmtree(run_dir)
+    run_dir, p = _resume(tiny_lora_run, tmp_path, "train.max_steps=6", f"data.path={other}",
+                         allow.group(1))  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert "the data is read from its beginning" in p.stdout, p.stdout[-3000:]
+    assert [r["step"] for r in metric_lines(run_dir)] == [1, 2, 3, 4, 5, 6]

@@ -1,10 +1,12 @@
-"""LoRA adapters to test with: full (gathered) tensors under ftcore's names, and PEFT adapter
-directories for a given base shape."""
+"""LoRA adapters to test with: full (gathered) tensors under ftcore's names, PEFT adapter
+directories for a given base shape, and the check that a trained adapter changed the model."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from ftcore.peft.adapter_format import save_adapter
@@ -39,3 +41,31 @@ def adapter_dir(path: Path, targets, r: int = 4, hidden: int = 64, layers: int =
             sd[f"{key}.lora_B.weight"] = torch.zeros(o, r)
     save_adapter(path, sd, LoraSettings(r, 8.0, 0.0, tuple(targets), False), list(targets), None)
     return path
+
+
+def trained_and_logged(log: str, adapter: Path) -> None:
+    """Every step line's lr is the one its update applied, and the adapter changes the model.
+    Adam's first update moves each weight by the lr (m/sqrt(v) = sign(g)), so after the quick
+    start's one step every lora_B (zero at the start) holds values of exactly that size: the
+    logged lr is the applied one. PEFT's model then gives other logits than the base."""
+    from peft import AutoPeftModelForCausalLM
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    steps = re.findall(r"step (\d+)/(\d+) \|.*\| lr ([0-9.e+-]+) \|", log)
+    assert steps and steps[0][:2] == ("1", "1"), log[-3000:]  # 40 records, train.epochs=1: 1 step
+    lr = float(steps[0][2])
+    lora_b = [
+        t for k, t in load_file(adapter / "adapter_model.safetensors").items() if "lora_B" in k
+    ]
+    assert lora_b and lr > 0
+    for t in lora_b:
+        assert float(t.abs().max()) == pytest.approx(lr, rel=1e-2), (float(t.abs().max()), lr)
+    peft = AutoPeftModelForCausalLM.from_pretrained(str(adapter)).eval()
+    base = AutoModelForCausalLM.from_pretrained(
+        peft.peft_config["default"].base_model_name_or_path
+    ).eval()
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    with torch.no_grad():
+        diff = (peft(input_ids=ids).logits - base(input_ids=ids).logits).abs().max()
+    assert diff > 1e-3, diff

@@ -72,7 +72,7 @@ def test_manifest_checks_name_the_file(tmp_path):
 def test_another_model_or_peft_mode_is_refused(tmp_path):
     from omegaconf import OmegaConf
 
-    from ftcore.checkpoint import resume
+    from ftcore.checkpoint import changes
     from ftcore.config.schema import compose
     from tests.support.tiny import TINY
 
@@ -80,13 +80,43 @@ def test_another_model_or_peft_mode_is_refused(tmp_path):
     common = {"config": OmegaConf.to_yaml(saved), "adapter_only": False}
     state = NS(cfg=compose(TINY + ["model.hidden_size=128"]), info=NS(rank=0))
     with pytest.raises(FtcoreError, match=r"another model \(model.hidden_size: 64 -> 128\)"):
-        resume.check_compatible(state, common, tmp_path)
+        changes.check_compatible(state, common, tmp_path)
     state = NS(cfg=compose(TINY + ["peft=lora"]), info=NS(rank=0))
     with pytest.raises(FtcoreError, match="a full checkpoint but this run has peft.name=lora"):
-        resume.check_compatible(state, common, tmp_path)
+        changes.check_compatible(state, common, tmp_path)
     lora = {"config": OmegaConf.to_yaml(compose(TINY + ["peft=lora"])), "adapter_only": True}
     state = NS(cfg=compose(TINY + ["peft=lora", "peft.r=4"]), info=NS(rank=0))
     with pytest.raises(FtcoreError, match=r"adapters of another shape \(peft.r: 16 -> 4\)"):
-        resume.check_compatible(state, lora, tmp_path)
+        changes.check_compatible(state, lora, tmp_path)
     state = NS(cfg=compose(TINY + ["optim.lr=1e-4", "parallel.tp=2"]), info=NS(rank=0))
-    resume.check_compatible(state, common, tmp_path)  # a changed lr or layout is fine
+    changes.check_compatible(state, common, tmp_path)  # a changed lr or layout is fine
+
+
+def test_a_changed_data_stream_is_refused_unless_allowed(tmp_path):
+    """Issue 52, item 2: what decides the rows of the data stream (data.*, run.seed) refuses a
+    resume with the keys and both fixes; `checkpoint.allow_changed` lets it through (the caller
+    then reads the new data from its start); what does not (data.val_path) is simply applied."""
+    from omegaconf import OmegaConf
+
+    from ftcore.checkpoint import changes
+    from ftcore.config.schema import compose
+    from tests.support.tiny import TINY
+
+    common = {"config": OmegaConf.to_yaml(compose(TINY)), "adapter_only": False, "step": 3}
+    for change in (["data.path=chat.jsonl", "data.seq_len=48"], ["run.seed=7"]):
+        state = NS(cfg=compose(TINY + change), info=NS(rank=0))
+        with pytest.raises(FtcoreError) as e:
+            changes.check_compatible(state, common, tmp_path)
+        keys = [c.split("=")[0] for c in change]
+        assert all(k in str(e.value) for k in keys), e.value
+        assert (
+            "a new run.dir" in e.value.fix
+            and f"checkpoint.allow_changed=[{','.join(keys)}]" in e.value.fix
+        )
+        allowed = compose(TINY + change + [f"checkpoint.allow_changed=[{','.join(keys)}]"])
+        assert changes.check_compatible(NS(cfg=allowed, info=NS(rank=0)), common, tmp_path) == keys
+    state = NS(cfg=compose(TINY + ["data.val_path=val.jsonl"]), info=NS(rank=0))
+    assert changes.check_compatible(state, common, tmp_path) == []
+    state = NS(cfg=compose(TINY + ["train.max_steps=2"]), info=NS(rank=0))
+    with pytest.raises(FtcoreError, match=r"train.max_steps=2 is below the step"):
+        changes.check_compatible(state, common, tmp_path)

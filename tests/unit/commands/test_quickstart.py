@@ -28,11 +28,18 @@ def test_prompt_from_file_or_stdin_and_stdout_is_the_answer_alone(base_answer, t
     answer = inline.stdout
     assert answer.endswith("\n") and answer.count("\n") == 1 and answer.strip(), answer
     assert "loaded model.init_path weights" in inline.stderr  # the logs went to stderr
+    # generate trains nothing and reads no data: neither a data.format detection nor a
+    # trainable-parameter count; it says which chat template it applied (issue 52, item 10)
+    assert "data.format=auto" not in inline.stderr and "trainable params" not in inline.stderr
+    assert "chat template: the tokenizer's own" in inline.stderr, inline.stderr[-3000:]
     assert not any(cwd.iterdir())  # no run directory, no outputs/
 
     hard = "What's the capital of Peru, then? Say it = plainly."
     rejected = cli("generate", f"generate.prompt={hard}", *common)
-    assert rejected.returncode != 0  # why prompt_file exists: Hydra cannot parse it inline
+    line = error_line(rejected)  # why prompt_file exists: Hydra cannot parse it inline; it says so
+    assert line.startswith("ftcore error: generate.prompt: ") and "generate.prompt_file=" in line, (
+        line
+    )
     f = tmp_path / "prompt.txt"
     f.write_text(hard + "\n")
     from_file = cli("generate", f"generate.prompt_file={f}", *common)
@@ -91,7 +98,7 @@ def test_epochs_and_max_steps_together_are_refused(tmp_path):
     assert "train.epochs" in error_line(cli("train", "+exp=tiny_lora", "train.epochs=0"))
 
 
-# ---- the quick start itself (own JSONL -> adapter -> generate -> PEFT): test_readme.py -----------
+# ---- the quick start itself (own JSONL -> adapter -> generate -> PEFT): test_docs_commands.py ----
 
 
 def test_the_documented_quoting_keeps_commas_and_apostrophes():

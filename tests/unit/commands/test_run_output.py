@@ -59,6 +59,12 @@ def test_eval_does_not_scatter_run_dirs(tmp_path):
     ev = cli("eval", "+exp=tiny_lora", "data.seq_len=64", "eval.accuracy=false", cwd=tmp_path)
     assert ev.returncode == 0, ev.stderr[-3000:]
     assert "UserWarning" not in ev.stderr
+    # the data it evaluates is what its format line names (the bundled validation file, not the
+    # preset's training file), and it trains nothing: no trainable-parameter count (issue 52)
+    assert "data.format=auto: " in ev.stderr and "val.jsonl: instruction" in ev.stderr, ev.stderr[
+        -3000:
+    ]
+    assert "train.jsonl" not in ev.stderr and "trainable params" not in ev.stderr
     exp_dir = tmp_path / "outputs" / "tiny_lora"
     assert sorted(p.name for p in exp_dir.iterdir()) == ["eval"]  # nothing among training runs
     (run,) = (exp_dir / "eval").iterdir()

@@ -119,7 +119,7 @@ def pairs_of(mb) -> dict[int, set[int]]:
 
 
 @pytest.mark.parametrize("packing", [False, True])
-def test_pairs_stay_whole_and_count_as_samples(tmp_path, tok, packing):
+def test_pairs_stay_whole_and_count_as_samples(tmp_path, tok, packing, caplog):
     records = [{"prompt": f"What is {i} + {i}?\n", "chosen": str(2 * i), "rejected": str(i) * (1 + i % 4)}
                for i in range(1, 41)]  # fmt: skip
     path = write(tmp_path / "p.jsonl", records)
@@ -127,7 +127,11 @@ def test_pairs_stay_whole_and_count_as_samples(tmp_path, tok, packing):
              "run.seed=3"]  # fmt: skip
     loaders = [build_train_loader(cfg_for(tmp_path, path, *extra), tok, r, 2) for r in range(2)]
     rows = loaders[0].report["rows"]
-    set_steps_from_epochs(loaders[0].cfg, rows, loaders[0])
+    with caplog.at_level("INFO", logger="ftcore"):
+        set_steps_from_epochs(loaders[0].cfg, rows, loaders[0])
+    # packed, global_batch_size counts rows of whole pairs, and the log says so (issue 52, item 8)
+    said = f"a step of 8 rows trains ~{round(40 / rows * 8)} pairs" in caplog.text
+    assert said == packing, caplog.text
     assert loaders[0].report["samples"] == 40  # pairs, not sequences
     seen, steps = [], loaders[0].cfg.train.max_steps
     assert steps == -(-rows // 8) and (packing or rows == 40)
@@ -254,3 +258,31 @@ def test_bundled_sample_is_the_default_and_what_its_script_writes(tmp_path, tok)
     rows = [json.loads(x) for x in (tmp_path / "preference_train.jsonl").read_text().splitlines()]
     assert len(rows) >= 300 and all(r["chosen"] != r["rejected"] for r in rows)
     assert np.mean([r["chosen"].isupper() or r["chosen"][:1].isdigit() for r in rows]) > 0.3
+
+
+def test_a_dropped_pair_is_named_with_its_line_and_rule(tmp_path, tok, caplog):
+    """Issue 52, item 8: each dropped pair (the first few of a source) is named by its file and
+    line with the rule that dropped it; a sequence longer than the tokenizer's model_max_length
+    (1024 for the bundled one) brings no "Token indices sequence length" warning from transformers:
+    ftcore cuts at data.seq_len itself."""
+    import logging
+
+    long = {"prompt": "Say it. ", "chosen": "lemon " * 1100, "rejected": "x"}
+    path = write(tmp_path / "p.jsonl", [*STANDARD, long])
+    with caplog.at_level(logging.WARNING):
+        build_train_loader(cfg_for(tmp_path, path), tok, 0, 1)
+        assert (
+            f"dropped the pair at {path}:5: its prompt fills data.seq_len=40: no chosen"
+            in caplog.text
+        )
+        assert "Token indices sequence length" not in caplog.text
+        caplog.clear()
+        build_train_loader(cfg_for(tmp_path, path, "data.truncate=drop"), tok, 0, 1)
+        assert f"dropped the pair at {path}:4: its chosen sequence has" in caplog.text
+        assert "over data.seq_len=40 (data.truncate=drop)" in caplog.text
+        caplog.clear()
+        build_train_loader(
+            cfg_for(tmp_path, path, "data.packing=true", "data.pack_multiple=1"), tok, 0, 1
+        )
+        assert f"dropped the pair at {path}:4: packed, its sequences of 40 + " in caplog.text
+        assert "do not fit one row of data.seq_len=40" in caplog.text

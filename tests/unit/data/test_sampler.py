@@ -142,7 +142,13 @@ def test_report_and_packing_efficiency(cache, tok, caplog):
         packed = build_train_loader(
             cfg_for(cache, "data.packing=true", "data.pack_multiple=1"), tok, 0, 1
         ).report
-    assert "packing efficiency" in caplog.text
+    # packing efficiency: the share of the rows' slots that hold tokens (issue 52: it said the
+    # share of target tokens, 15%, beside 99% of the slots filled)
+    assert (
+        f"packing efficiency {100 * packed['slot_fill']:.1f}% (of the rows' token slots"
+        in caplog.text
+    )
+    assert f"{100 * packed['packing_efficiency']:.1f}% hold loss targets" in caplog.text
     assert unpacked["samples"] == packed["samples"] == 4000
     assert unpacked["target_tokens"] == packed["target_tokens"] > 0
     assert packed["packing_efficiency"] > 2 * unpacked["packing_efficiency"]

@@ -169,7 +169,7 @@ def test_cli_exits_2_before_training_and_writes_nothing_to_run_dir(
     assert list(work.iterdir()) == []  # nothing in the run dir (or anywhere under the cwd)
 
 
-def test_parquet_directory_and_datasets_dir(tmp_path, tok):
+def test_parquet_directory_and_datasets_dir(tmp_path, tok, caplog):
     from datasets import Dataset
 
     rows = [{"instruction": f"What is {i} + 1?", "output": str(i + 1)} for i in range(6)]
@@ -183,6 +183,21 @@ def test_parquet_directory_and_datasets_dir(tmp_path, tok):
     saved = tmp_path / "saved"
     Dataset.from_list(rows).save_to_disk(str(saved))
     assert build_train_loader(cfg_for(tmp_path, saved), tok, 0, 1).report["samples"] == 6
+    # a DatasetDict: its train split is read, and the log says so and how to take another
+    from datasets import DatasetDict
+
+    splits = tmp_path / "splits"
+    DatasetDict(train=Dataset.from_list(rows[:4]), test=Dataset.from_list(rows[4:])).save_to_disk(
+        str(splits)
+    )
+    with caplog.at_level("INFO", logger="ftcore"):
+        assert build_train_loader(cfg_for(tmp_path, splits), tok, 0, 1).report["samples"] == 4
+    assert (
+        f"data {splits} is a DatasetDict of splits train, test: its train split is read"
+        in caplog.text
+    )
+    assert f"data.path={splits / 'test'}" in caplog.text
+    assert build_train_loader(cfg_for(tmp_path, splits / "test"), tok, 0, 1).report["samples"] == 2
     bad = tmp_path / "bad_pq"
     bad.mkdir()
     Dataset.from_list([{"instruction": "x", "output": 1}]).to_parquet(str(bad / "x.parquet"))
@@ -303,3 +318,28 @@ def test_json_array_parses_in_linear_time(tmp_path):
         assert [r for _, r in got] == recs
     assert got[-1][0] == f"{tmp_path / 'd.json'}:50001"
     assert took["d.json"] < 3 * took["d.jsonl"] + 0.5, took
+
+
+def test_csv_reads_as_the_same_records_as_jsonl(tmp_path, tok):
+    """Issue 52, item 3: a CSV file (written here by datasets/pandas, not by ftcore) gives exactly
+    the records it was written from, cells with commas, quotes and newlines included, every cell
+    a string (no type guessing: "3" stays the answer text), and trains on the same tokens as the
+    same records in JSONL; a row with more cells than its header is a bad record at its line."""
+    from datasets import Dataset
+
+    from ftcore.data.sources import iter_records
+
+    rows = [
+        {"instruction": f'Say "{i}, then {i + 1}"\nplease', "output": str(i + 1)} for i in range(6)
+    ]
+    f = tmp_path / "ins.csv"
+    Dataset.from_list(rows).to_csv(str(f), index=False)
+    assert [r for _, r in iter_records([f])] == rows
+    (tmp_path / "ins.jsonl").write_bytes(lines(*rows))
+    as_csv = build_train_loader(cfg_for(tmp_path, f), tok, 0, 1).report
+    as_jsonl = build_train_loader(cfg_for(tmp_path, tmp_path / "ins.jsonl"), tok, 0, 1).report
+    assert as_csv["samples"] == 6 and as_csv["tokens"] == as_jsonl["tokens"] > 0
+    bad = tmp_path / "bad.csv"
+    bad.write_text('instruction,output\nWhat is 1 + 1?,2\n"What is 2, + 2?",4,extra\n')
+    with pytest.raises(FtcoreError, match=rf"{bad}:3: 3 cells under a header of 2"):
+        build_train_loader(cfg_for(tmp_path, bad), tok, 0, 1)

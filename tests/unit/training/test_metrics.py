@@ -138,3 +138,28 @@ def test_fresh_start_is_a_new_wandb_run(tmp_path, monkeypatch):
         if r["type"] == "exit"
     ]
     assert sorted(exits) == [0, 0, 1], exits
+
+
+def test_the_step_line_shows_dpo_and_moe_fields_and_a_collapsed_router(tmp_path, caplog):
+    """Issue 52, item 13: DPO's reward accuracy and margin, MoE's aux_loss and expert load on the
+    console step line; a warning, once, when expert_load_max_over_mean reaches num_experts / top-k
+    (every token to the same experts: 8 experts, top-2 -> 4.0)."""
+    import logging
+
+    from ftcore.config.schema import compose
+    from ftcore.training.metrics import MetricsWriter
+
+    cfg = compose(["model.num_experts=8", "model.moe_router_topk=2", "logger.progress=lines"])
+    base = {"loss": 0.5, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "step_time_s": 0.1}
+    w = MetricsWriter(cfg, tmp_path, enabled=True, total_steps=4, start_step=0)
+    with caplog.at_level(logging.INFO, logger="ftcore"):
+        w.write({"step": 1, **base, "rewards/accuracies": 0.75, "rewards/margins": 0.0123})
+        w.write({"step": 2, **base, "aux_loss": 0.0123, "expert_load_max_over_mean": 1.5})
+        for step in (3, 4):
+            w.write({"step": step, **base, "aux_loss": 0.01, "expert_load_max_over_mean": 4.0})
+    w.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].endswith("| acc 0.750 | margin 0.0123"), lines
+    assert lines[1].endswith("| aux_loss 0.0123 | expert load 1.50"), lines
+    collapsed = [ln for ln in lines if "the router collapsed" in ln]
+    assert len(collapsed) == 1 and collapsed[0].startswith("step 3: expert_load_max_over_mean 4.00")

@@ -59,3 +59,38 @@ def test_eval_exits_2_before_building(tmp_path, capsys):
                                        "model.allow_random_base=true"])  # fmt: skip
     assert status == 2 and not run.exists()
     assert "ftcore error: parallel.ep: parallel.ep=3 does not divide" in capsys.readouterr().err
+
+
+def test_a_gpu_recipe_on_ones_own_small_checkpoint_says_what_to_change(tmp_path, capsys):
+    """Issue 52, item 6: `+exp=qwen3_30b_a3b_lora model.hf_path=<a small Qwen3-MoE>` on CPU is
+    refused one setting at a time; each error names the checkpoint (not the preset's model, and
+    no unrelated model to switch to), and parallel.ep=2 on one process names the launcher's fix."""
+    from ftcore.cli import main
+    from ftcore.train import task
+    from tests.support.moe import make_tiny_moe
+
+    hf = make_tiny_moe(tmp_path / "my-moe")
+    base = [
+        "+exp=qwen3_30b_a3b_lora",
+        f"model.hf_path={hf}",
+        "cluster=local_cpu",
+        f"run.dir={tmp_path / 'run'}",
+    ]
+
+    def error(*over: str) -> str:
+        assert main("train", task, [*base, *over]) == 2
+        (line,) = [
+            ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("ftcore error:")
+        ]
+        return line
+
+    seq = error()
+    assert seq.startswith(
+        f"ftcore error: data.seq_len: seq_len=4096 is beyond the 256 positions of the checkpoint {hf}"
+    )
+    assert "qwen3_30b_a3b" not in seq and "llama31_70b" not in seq and "data.seq_len=256" in seq
+    gpus = error("data.seq_len=256", "parallel.ep=2")
+    assert "cluster.num_gpus=8" in gpus and "cluster.num_gpus=null" in gpus
+    ep = error("data.seq_len=256", "parallel.ep=2", "cluster.num_gpus=null")
+    assert ep.startswith("ftcore error: parallel.ep:") and "launcher.nproc_per_node=2" in ep
+    assert not (tmp_path / "run").exists()

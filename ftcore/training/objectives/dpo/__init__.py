@@ -13,8 +13,12 @@
 
 from __future__ import annotations
 
+import logging
+
 from ftcore.training.objectives.base import Objective, StepResult
 from ftcore.training.objectives.dpo import loss, ref_store, step
+
+log = logging.getLogger("ftcore")
 
 
 class Dpo(Objective):
@@ -31,6 +35,8 @@ class Dpo(Objective):
     def build(self, state, chunks: list, *, training: bool, data: bool) -> None:
         precompute = state.cfg.objective.precompute_ref and training and data
         state.extra["reference"] = step.build_reference(state.cfg, chunks, precompute)
+        if state.info.rank == 0:
+            log.info("DPO reference: %s", _reference_said(state.cfg, precompute))
 
     def before_resume(self, state, *, training: bool, data: bool) -> None:
         if state.cfg.objective.precompute_ref and training and data:
@@ -43,3 +49,14 @@ class Dpo(Objective):
     def run(self, state, microbatches: list, *, forward_only: bool, timers=None) -> StepResult:
         r = step.run_pairs(state, microbatches, forward_only=forward_only, timers=timers)
         return StepResult(loss=r.loss, tokens=r.tokens, count=r.pairs, metrics=r.metrics)
+
+
+def _reference_said(cfg, precompute: bool) -> str:
+    if precompute:
+        return "the starting weights' log-probs, stored by a first pass (objective.precompute_ref)"
+    if cfg.peft.name == "none":
+        return "a frozen copy of the starting weights"
+    ref = cfg.objective.ref_adapter_path
+    if ref:
+        return f"the base plus objective.ref_adapter_path={ref} (loaded; the policy starts from it)"
+    return "the base with the adapters off"
