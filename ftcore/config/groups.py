@@ -186,7 +186,7 @@ class MoeConfig:
     # aux-loss-free balancing of a model with an expert bias (DeepSeek-V3, GLM-4.5): each step
     # moves every expert's bias by this much toward the mean load (megatron's
     # moe_router_bias_update_rate). 0 keeps the published bias; metrics log the largest move.
-    expert_bias_update_rate: float = 0.0
+    expert_bias_update_rate: float = switch(0.0)
 
 
 @dataclass

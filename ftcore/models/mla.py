@@ -12,7 +12,7 @@ The local spec (CPU) computes the two down projections (q_a, kv_a_proj_with_mqa)
 TP rank, as TE's spec does ("duplicated"), not column-parallel as megatron's local spec has them:
 there the shared rotary key is cut from a TP-gathered output and, full-length on every rank, gets
 only that rank's heads' gradient back (megatron's gather's backward splits without summing), so
-training at tp > 1 would drift (found by tests/multiproc/test_deepseek_parity.py at ep=2 x tp=2).
+training at tp > 1 would drift (found by a layout parity run at ep=2 x tp=2).
 Replicated, under sequence parallelism each rank projects its own tokens, the rotary key is
 gathered over the sequence (its backward sums the heads' gradients) and megatron sums the weights'
 gradients over TP (`sequence_parallel`). Training at tp > 1 needs SP (MoE does anyway).

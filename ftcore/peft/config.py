@@ -312,6 +312,9 @@ def check_config(cfg: DictConfig) -> None:
             f"QLoRA's NF4 base linears have no bias; {cfg.model.family} has q/k/v biases",
             field="peft.name", fix="use peft=lora on this model",
         )  # fmt: skip
+    from ftcore.peft.moe_format import check_moe_targets, check_no_qlora
+
+    check_no_qlora(cfg)
     s = settings(cfg)
     if s.r <= 0:
         raise FtcoreError(f"rank must be > 0, got {s.r}", field="peft.r", fix="use e.g. peft.r=16")
@@ -327,8 +330,6 @@ def check_config(cfg: DictConfig) -> None:
     if not s.targets:
         raise FtcoreError("no target modules", field="peft.target_modules",
                           fix="e.g. peft.target_modules=[q_proj,k_proj,v_proj,o_proj]")  # fmt: skip
-    from ftcore.peft.moe_format import check_moe_targets
-
     check_moe_targets(cfg, s.targets, plan_targets(s.targets, cfg.model))
     check_nf4_blocks(cfg)
     if s.adapter_path:

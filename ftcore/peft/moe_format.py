@@ -110,6 +110,17 @@ def is_expert_key(k: str) -> bool:
     return bool(PEFT_EXPERT_KEY.search(k) or PEFT_FUSED_KEY.search(k))
 
 
+def check_no_qlora(cfg) -> None:
+    """QLoRA on a mixture of experts, refused before its targets are resolved (the default target,
+    linear_qkv, is no module of latent attention: that error would send the user the wrong way)."""
+    if cfg.peft.name == "qlora" and is_moe(cfg.model):
+        raise FtcoreError(
+            "QLoRA on a mixture of experts is not supported: ftcore's NF4 linears do not run "
+            "inside megatron's expert layers", field="peft.name",
+            fix="peft=lora (bf16 experts; plan with ep to fit them)",
+        )  # fmt: skip
+
+
 def check_moe_targets(cfg, targets, plan: dict) -> None:
     """Refuse what LoRA on a mixture of experts cannot do: the router on a dense model, a half of the
     experts' fused gate_up (PEFT refuses it on transformers 5), and the two LoraConfig settings
@@ -120,13 +131,8 @@ def check_moe_targets(cfg, targets, plan: dict) -> None:
             raise FtcoreError("the router is a mixture of experts' module; this model is dense",
                               field=field, fix="drop gate/router from peft.target_modules")  # fmt: skip
         return
+    check_no_qlora(cfg)
     p = cfg.peft
-    if p.name == "qlora":
-        raise FtcoreError(
-            "QLoRA on a mixture of experts is not supported: ftcore's NF4 linears do not run "
-            "inside megatron's expert layers", field="peft.name",
-            fix="peft=lora (bf16 experts; plan with ep to fit them)",
-        )  # fmt: skip
     fc1 = set(plan.get("linear_fc1", {}))
     te = (cfg.get("cluster") or {}).get("device", "cpu") != "cpu" and (
         cfg.precision.get("te_layers", True)

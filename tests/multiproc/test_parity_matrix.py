@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from ftcore.errors import FtcoreError
 from tests.support import matrix
 from tests.support.cli import cli, error_line
+from tests.support.deepseek import make_tiny
 from tests.support.moe import make_tiny_moe
 
 RTOL = 1e-5
@@ -35,8 +36,9 @@ GRAD_RTOL = 1e-4
 WEIGHT_RTOL = 1e-2
 DPO_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
 LOGP_KEYS = ("logps/chosen", "logps/rejected")
-MOE_KEYS = ("aux_loss", "expert_load_max_over_mean")
+MOE_KEYS = ("aux_loss", "expert_load_max_over_mean", "expert_bias_shift")
 RUNS = matrix.runs()
+EXPERTS = {"dense": 0, "moe": 4, "deepseek": 8}
 
 
 def train_case(argv: list[str], run_dir: str) -> dict:
@@ -86,9 +88,11 @@ def _read(run_dir: Path, flags: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def paths(pool1, tmp_path_factory) -> dict[str, str]:
-    """{moe}: a random Qwen3-MoE checkpoint of transformers; {adapter}: a reference adapter, the
-    hf_adapter/ of a LoRA SFT run of the dense model (the table's own LoRA settings)."""
+    """{moe}, {deepseek}: random Qwen3-MoE and DeepSeek-V3 checkpoints of transformers; {adapter}:
+    a reference adapter, the hf_adapter/ of a LoRA SFT run of the dense model (the table's own
+    LoRA settings)."""
     moe = make_tiny_moe(tmp_path_factory.mktemp("moe") / "qwen3_moe")
+    deepseek = make_tiny(tmp_path_factory.mktemp("deepseek") / "deepseek_v3", seed=3)
     d = tmp_path_factory.mktemp("ref_adapter")
     sft = {
         "model": "dense",
@@ -99,7 +103,7 @@ def paths(pool1, tmp_path_factory) -> dict[str, str]:
     }
     argv = matrix.reference_command(matrix.reference_key(sft), {})
     pool1.run(train_case, argv, str(d))
-    return {"moe": str(moe), "adapter": str(d / "hf_adapter")}
+    return {"moe": str(moe), "deepseek": str(deepseek), "adapter": str(d / "hf_adapter")}
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +156,7 @@ def test_run_matches_its_one_process_reference(run, request, paths, references, 
     got = _read(tmp_path / "run", flags)
     asked = _asked(run)
     assert {k: flags[k] for k in asked} == asked, "the layout keys did not reach megatron"
-    assert flags["experts"] == ref["flags"]["experts"] == (4 if run["model"] == "moe" else 0)
+    assert flags["experts"] == ref["flags"]["experts"] == EXPERTS[run["model"]]
     assert len(got["loss"]) == matrix.STEPS
     assert got["tokens"] == ref["tokens"], "the layout changed the documents a step trains on"
     _close(got["loss"], ref["loss"], "losses")
@@ -193,6 +197,21 @@ def test_moe_references_route_and_balance(references):
     for key in keys:
         ref = references(key)
         assert all(0.1 < a < 1.0 for a in ref["aux_loss"]), (key, ref["aux_loss"])
+        assert all(1.0 <= x <= 2.0 for x in ref["expert_load_max_over_mean"]), key
+
+
+def test_deepseek_references_move_the_expert_bias(references):
+    """The one-process DeepSeek-V3 runs themselves: megatron's aux-loss-free balancing moves each
+    expert's bias by the update rate (0.01) up or down at each step, so the largest move is 0.01
+    after the first step and at most k x 0.01 after k; the expert load is between balance and the
+    worst possible (E/k = 2)."""
+    keys = sorted({matrix.reference_key(r) for r in RUNS if r["model"] == "deepseek"})
+    assert len(keys) >= 2
+    for key in keys:
+        ref = references(key)
+        shift = ref["expert_bias_shift"]
+        assert math.isclose(shift[0], 0.01, rel_tol=1e-4), (key, shift)
+        assert all(0 < x <= 0.01 * (k + 1) + 1e-6 for k, x in enumerate(shift)), (key, shift)
         assert all(1.0 <= x <= 2.0 for x in ref["expert_load_max_over_mean"]), key
 
 

@@ -17,7 +17,9 @@ oracle is the same command, WHAT factors only, on one process (`reference_comman
 - The models are at least as awkward as the shipped tiny base, never shaped so a feature agrees:
   the dense model is that base (ffn 704: a TP=2 down_proj shard is 352 columns, 5.5 NF4 blocks),
   the MoE model a random Qwen3-MoE of transformers (tests/support/moe.py: head_dim != hidden /
-  heads, a dense layer of ffn 96 among the experts of ffn 48).
+  heads, a dense layer of ffn 96 among the experts of ffn 48), the DeepSeek-V3 model a random one
+  of transformers (tests/support/deepseek.py: latent attention with YaRN, a shared expert, grouped
+  sigmoid routing with a non-zero expert bias that the run moves, a dense first layer).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ BASE = (
 )  # fmt: skip
 ALL7 = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 # LoRA targets: every linear; on the MoE model the experts' and the router's too (peft/experts.py)
-LORA_TARGETS = {"dense": f"[{ALL7}]", "moe": f"[{ALL7},gate]"}
+MLA = "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate_proj,up_proj,down_proj"
+LORA_TARGETS = {"dense": f"[{ALL7}]", "moe": f"[{ALL7},gate]", "deepseek": f"[{MLA}]"}
 LORA = ("peft=lora", "peft.r=4", "peft.lora_alpha=8", "optim.lr=3e-3")
 # QLoRA keeps the default target, linear_qkv: one A shared by q, k and v
 QLORA = ("peft=qlora", "peft.double_quant=false", "peft.r=4", "peft.lora_alpha=8", "optim.lr=3e-3")
@@ -50,10 +53,17 @@ OVERLAP = (
 )  # fmt: skip  (p2p: a no-op but under PP x VP)
 # a large auxiliary loss and a z-loss: a mis-scaled router gradient shows in the LM loss
 MOE = ("model.hf_path={moe}", "moe.aux_loss_coeff=0.1", "moe.z_loss_coeff=0.001")
+# aux-loss-free balancing on: the expert bias moves each step by the tokens each expert got, summed
+# over TP x DP x CP, so a layout that counted tokens otherwise would route otherwise
+DEEPSEEK = (
+    "model.hf_path={deepseek}",
+    "moe.aux_loss_coeff=0.05",
+    "moe.expert_bias_update_rate=0.01",
+)
 
 # factor -> setting -> overrides ({moe}, {adapter}: paths the test makes). WHAT factors first.
 FACTORS: dict[str, dict[str, tuple[str, ...]]] = {
-    "model": {"dense": ("model.init_path=tiny_base",), "moe": MOE},
+    "model": {"dense": ("model.init_path=tiny_base",), "moe": MOE, "deepseek": DEEPSEEK},
     "objective": {
         "sft": (),
         # the reference: the base with the adapters off (LoRA, QLoRA), a frozen copy (full)
@@ -103,12 +113,13 @@ ELSEWHERE = {
 # them; tests/multiproc/test_parity_matrix.py checks each is refused before anything is built.
 DPO_MOE = ("objective", "DPO on a mixture of experts is not built yet")
 REFUSED = {
-    (("model", "moe"), ("objective", "dpo")): DPO_MOE,
-    (("model", "moe"), ("objective", "dpo_ref_adapter")): DPO_MOE,
-    (("model", "moe"), ("objective", "dpo_precompute")): DPO_MOE,
-    (("model", "moe"), ("peft", "qlora")): ("peft.name", "QLoRA's NF4 linears are not experts"),
+    **{(("model", m), ("objective", o)): DPO_MOE
+       for m in ("moe", "deepseek") for o in ("dpo", "dpo_ref_adapter", "dpo_precompute")},
+    **{(("model", m), ("peft", "qlora")): ("peft.name", "QLoRA's NF4 linears are not experts")
+       for m in ("moe", "deepseek")},
     (("model", "dense"), ("ep", "2")): ("parallel.ep", "expert parallelism needs experts"),
-    (("model", "moe"), ("tp", "2")): ("parallel.sp", "megatron's MoE layer needs SP under TP"),
+    **{(("model", m), ("tp", "2")): ("parallel.sp", "megatron's MoE layer needs SP under TP")
+       for m in ("moe", "deepseek")},
     (("objective", "dpo_ref_adapter"), ("peft", "none")):
         ("objective.ref_adapter_path", "a reference adapter needs adapters"),
 }  # fmt: skip
@@ -129,6 +140,9 @@ SEEDS = (
      "pp": "2", "tp": "1"},
     # LoRA on the experts at ep=2 x tp=2 (SP): the expert adapters' gradient norm
     {"model": "moe", "objective": "sft", "peft": "lora", "ep": "2", "tp": "2+sp", "pp": "1"},
+    # DeepSeek-V3 (issue 53) at ep=2 x tp=2 and ep=2 x pp=2, the expert bias moving
+    {"model": "deepseek", "peft": "none", "ep": "2", "tp": "2+sp", "pp": "1", "cp": "1"},
+    {"model": "deepseek", "peft": "lora", "ep": "2", "pp": "2", "tp": "1", "cp": "1"},
 )  # fmt: skip
 
 

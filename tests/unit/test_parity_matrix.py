@@ -109,7 +109,7 @@ def test_the_table_is_deterministic_and_references_drop_only_the_how():
     matrix.runs.cache_clear()
     matrix._combos.cache_clear()
     assert matrix.runs() == matrix.runs()
-    paths = {"moe": "MOE", "adapter": "ADAPTER"}
+    paths = {"moe": "MOE", "deepseek": "DEEPSEEK", "adapter": "ADAPTER"}
     for r in matrix.runs():
         ref = matrix.reference_command(matrix.reference_key(r), paths)
         extra = [o for o in matrix.command(r, paths) if o not in ref]
