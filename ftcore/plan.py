@@ -20,12 +20,12 @@ from ftcore.errors import FtcoreError
 def layout_problem(cfg: DictConfig, world: int) -> FtcoreError | None:
     """Why the config's own layout cannot run on `world` GPUs (the layers do not split, the
     sequence does not cut, the GPUs do not divide), or None."""
-    from ftcore.planner.layers import split_layers
+    from ftcore.planner.layers import split_for
     from ftcore.validation.checks import check_sequence
 
     p = cfg.parallel
     try:
-        split_layers(cfg.model.num_layers, p.pp, p.vp)
+        split_for(cfg)
         check_sequence(cfg)  # within the model's positions, cut the way the layout can (cp.py)
     except FtcoreError as e:
         return e
