@@ -42,7 +42,9 @@ def layout_problem(cfg: DictConfig, world: int) -> FtcoreError | None:
 def with_layout(cfg: DictConfig, row: dict) -> DictConfig:
     """The config with a searched row's layout (what its overrides select)."""
     cfg = cfg.copy()
-    for key in ("tp", "pp", "vp", "cp", "sp", "recompute", "ep", "etp", "cp_comm_type"):
+    keys = ("tp", "pp", "vp", "cp", "sp", "recompute", "ep", "etp", "cp_comm_type",
+            "pp_first_stage_layers", "pp_last_stage_layers")  # fmt: skip
+    for key in keys:
         if key in row:
             cfg.parallel[key] = row[key]
     cfg.train.micro_batch_size = row["micro_batch_size"]

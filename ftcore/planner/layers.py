@@ -58,12 +58,20 @@ class LayerSplit(list):
 def split_for(cfg) -> LayerSplit:
     """The split a config asks for: model.num_layers over its parallel section."""
     p = cfg.parallel
-    first, last = getattr(p, "pp_first_stage_layers", None), getattr(p, "pp_last_stage_layers", None)
+    first, last = (
+        getattr(p, "pp_first_stage_layers", None),
+        getattr(p, "pp_last_stage_layers", None),
+    )
     return split_layers(cfg.model.num_layers, p.pp, p.vp, first=first, last=last)
 
 
 def split_layers(
-    num_layers: int, pp: int, vp: int = 1, *, first: Optional[int] = None, last: Optional[int] = None
+    num_layers: int,
+    pp: int,
+    vp: int = 1,
+    *,
+    first: Optional[int] = None,
+    last: Optional[int] = None,
 ) -> LayerSplit:
     """Layers per [pp_rank][vp_stage]; raises FtcoreError (naming the key and the fix) for a split
     megatron would refuse or assert on."""

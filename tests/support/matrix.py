@@ -93,8 +93,11 @@ FACTORS: dict[str, dict[str, tuple[str, ...]]] = {
     # offset). The even pp=2 split is megatron's default path, which 2xvp2 takes (2+2 chunks)
     "pp": {
         "1": (),
-        "2uneven": ("parallel.pp=2", "parallel.pp_first_stage_layers=1",
-                    "parallel.pp_last_stage_layers=3"),
+        "2uneven": (
+            "parallel.pp=2",
+            "parallel.pp_first_stage_layers=1",
+            "parallel.pp_last_stage_layers=3",
+        ),
         "2xvp2": ("parallel.pp=2", "parallel.vp=2"),
     },  # fmt: skip
     "cp": {"1": (), "2": ("parallel.cp=2",)},
