@@ -182,7 +182,7 @@ def dpo_precompute_and_moe_audited(run_dir: str) -> dict:
     from ftcore.runtime import device_audit
     from ftcore.training import trainer
     from ftcore.training.objectives.dpo import step as dpo
-    from tests.multiproc.test_dpo_parity import BASE, LORA, PRE
+    from tests.multiproc.test_dpo_parity import BASE, PRE
     from tests.support.layouts import build
 
     out = {"reference forwards": 0, "updates": 0}
@@ -195,8 +195,9 @@ def dpo_precompute_and_moe_audited(run_dir: str) -> dict:
     def counted_update(cfg):
         out["updates"] += 1
 
+    lora = ["peft=lora", "peft.r=4", "peft.lora_alpha=8", "optim.lr=5e-3"]
     with device_audit.shadow_devices():
-        over = [*BASE, *LORA, *PRE, "train.global_batch_size=8", f"run.dir={run_dir}/dpo"]
+        over = [*BASE, *lora, *PRE, "train.global_batch_size=8", f"run.dir={run_dir}/dpo"]
         dpo._reference_loss, delayed.update_after_no_grad_forward = counted, counted_update
         try:
             state = trainer.setup(compose(over))
