@@ -8,7 +8,7 @@ rank builds), so the two can never disagree. Three ways, megatron's own (transfo
 - chosen stages (`parallel.pp_first_stage_layers` / `pp_last_stage_layers`, megatron's
   `num_layers_in_first/last_pipeline_stage`): the first and/or last pipeline rank holds the count
   given, the ranks between share the rest equally; under vp every rank's count divides by vp. How
-  61-layer DeepSeek-V3 pipelines (e.g. pp=4 as 16+15+15+15);
+  61-layer DeepSeek-V3 pipelines (pp=4 as 13+16+16+16: `first_stage_rule`, the planner's pick);
 - otherwise megatron's `account_for_embedding_in_pipeline_split` / `account_for_loss_in_pipeline_split`
   count the embedding and the loss as one layer each: (num_layers + 2) must divide by pp*vp, the
   first chunk of pp rank 0 builds one layer fewer and the last chunk of the last pp rank one fewer.
