@@ -20,12 +20,12 @@ from ftcore.errors import FtcoreError
 def layout_problem(cfg: DictConfig, world: int) -> FtcoreError | None:
     """Why the config's own layout cannot run on `world` GPUs (the layers do not split, the
     sequence does not cut, the GPUs do not divide), or None."""
-    from ftcore.planner.layers import split_layers
+    from ftcore.planner.layers import split_for
     from ftcore.validation.checks import check_sequence
 
     p = cfg.parallel
     try:
-        split_layers(cfg.model.num_layers, p.pp, p.vp)
+        split_for(cfg)
         check_sequence(cfg)  # within the model's positions, cut the way the layout can (cp.py)
     except FtcoreError as e:
         return e
@@ -42,7 +42,9 @@ def layout_problem(cfg: DictConfig, world: int) -> FtcoreError | None:
 def with_layout(cfg: DictConfig, row: dict) -> DictConfig:
     """The config with a searched row's layout (what its overrides select)."""
     cfg = cfg.copy()
-    for key in ("tp", "pp", "vp", "cp", "sp", "recompute", "ep", "etp", "cp_comm_type"):
+    keys = ("tp", "pp", "vp", "cp", "sp", "recompute", "ep", "etp", "cp_comm_type",
+            "pp_first_stage_layers", "pp_last_stage_layers")  # fmt: skip
+    for key in keys:
         if key in row:
             cfg.parallel[key] = row[key]
     cfg.train.micro_batch_size = row["micro_batch_size"]

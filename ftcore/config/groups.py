@@ -146,6 +146,11 @@ class ParallelConfig:
     tp: int = switch(1)
     pp: int = switch(1)
     vp: int = switch(1)  # virtual stages per pipeline rank (1 = no interleaving)
+    # uneven pipeline stages (pp > 1): transformer layers on the first / last pipeline rank, the
+    # ranks between share the rest equally; each a multiple of vp (megatron's
+    # num_layers_in_first/last_pipeline_stage; docs/parallelism.md). None = megatron's own split
+    pp_first_stage_layers: Optional[int] = switch(None)
+    pp_last_stage_layers: Optional[int] = switch(None)
     cp: int = switch(1)
     # how Transformer Engine's attention exchanges K/V across the CP group on GPU (megatron's
     # cp_comm_type): p2p | all_gather | a2a | a2a+p2p (docs/context_parallel.md). The CPU path is

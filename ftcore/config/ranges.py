@@ -94,6 +94,8 @@ RANGES: dict[str, Range] = {
     "parallel.tp": AT_LEAST_1,
     "parallel.pp": AT_LEAST_1,
     "parallel.vp": AT_LEAST_1,
+    "parallel.pp_first_stage_layers": AT_LEAST_1,  # the upper bound is model.num_layers - 1:
+    "parallel.pp_last_stage_layers": AT_LEAST_1,  # planner/layers.py checks it with the split
     "parallel.cp": AT_LEAST_1,
     "parallel.hierarchical_cp_sizes.*": AT_LEAST_1,
     "parallel.recompute_num_layers": AT_LEAST_1,

@@ -17,7 +17,7 @@ from ftcore.models.local.attention import SdpaAttention
 from ftcore.models.local.norm import RMSNorm
 from ftcore.models.nf4 import defer_base_linears
 from ftcore.planner import cp
-from ftcore.planner.layers import split_layers
+from ftcore.planner.layers import split_for
 from ftcore.runtime import device_audit
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -96,7 +96,7 @@ def transformer_config(cfg: DictConfig, *, on_cpu: bool) -> TransformerConfig:
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
         deallocate_pipeline_outputs=not on_cpu,
-        **split_layers(m.num_layers, p.pp, p.vp).megatron_flags(),
+        **split_for(cfg).megatron_flags(),
         # overlap, fusions (on CPU megatron's bias-SwiGLU hook runs models/local/swiglu.py), p2p
         # batching, recompute, CUDA graphs: models/speed.py
         **speed.transformer_kwargs(cfg, on_cpu=on_cpu),

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from ftcore.planner import cp, mla
-from ftcore.planner.layers import split_layers
+from ftcore.planner.layers import split_for
 from ftcore.planner.params import is_moe, lora_plan, moe_layer_count, padded_vocab
 from ftcore.planner.view import memo
 
@@ -399,7 +399,7 @@ def in_flight_layers(cfg: DictConfig, pp_rank: int, num_micro: int) -> tuple[int
     before the first backward; each holds that chunk's layers.
     """
     p = cfg.parallel
-    split = split_layers(cfg.model.num_layers, p.pp, p.vp)
+    split = split_for(cfg)
     layers = split[pp_rank]
     if p.pp == 1:
         return sum(layers), 0

@@ -27,7 +27,7 @@ from ftcore.planner.activations import (
     rows_per_item,
     shape_of,
 )
-from ftcore.planner.layers import split_layers
+from ftcore.planner.layers import split_for
 from ftcore.planner.params import (
     expert_shapes,
     linear_shapes,
@@ -158,7 +158,7 @@ def _micro_batch_work(cfg: DictConfig, pp_rank: int) -> Work:
         for t, sl in lora_plan(cfg).items()
     }
     adapters = sum(adapters_of.values())
-    split = split_layers(m.num_layers, p.pp, p.vp)
+    split = split_for(cfg)
     offsets = split.offsets[pp_rank]
     quant = bool(cfg.precision.fp8_recipe or cfg.precision.fp4_recipe)
     keep = cfg.precision.first_last_bf16_layers

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from ftcore.planner import activations as act
 from ftcore.planner import calibration
 from ftcore.planner.flops import n_prime
-from ftcore.planner.layers import split_layers
+from ftcore.planner.layers import split_for
 
 HBM_EFFICIENCY = 0.7  # as throughput.py: achievable share of HBM bandwidth
 COLLECTIVE_LATENCY_S = 15e-6  # one small NCCL all-reduce or send inside a node (assumed)
@@ -58,8 +58,7 @@ def rows(cfg: DictConfig, world: int) -> int:
 
 
 def _stage_layers(cfg: DictConfig) -> list[int]:
-    p = cfg.parallel
-    return [sum(s) for s in split_layers(cfg.model.num_layers, p.pp, p.vp)]
+    return [sum(s) for s in split_for(cfg)]
 
 
 def kv_cache_bytes(cfg: DictConfig, world: int, pp_rank: int) -> int:

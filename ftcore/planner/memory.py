@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 
 from ftcore.planner import activations as act
 from ftcore.planner import buffers, calibration, cp, grpo, userbuffers
-from ftcore.planner.layers import split_layers
+from ftcore.planner.layers import split_for
 from ftcore.planner.params import (
     chunk_runs,
     init_method,
@@ -256,7 +256,7 @@ def stage_memory(
     layer = act.layer_bytes(sh)
     layer_mb, inputs = act.in_flight_layers(cfg, pp_rank, num_micro)
     last = pp_rank == p.pp - 1
-    split = split_layers(cfg.model.num_layers, p.pp, p.vp)
+    split = split_for(cfg)
     holds_last_layer = last and split[pp_rank][-1] > 0
     saved = layer * layer_mb - (act.last_layer_saving(sh) if holds_last_layer else 0)
     loss = sum(act.loss_bytes(sh).values()) if last else 0

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from ftcore.config.families import family
 from ftcore.planner import mla
-from ftcore.planner.layers import split_layers
+from ftcore.planner.layers import split_for
 
 # The Hugging Face slices of each megatron linear, in fused order (as ftcore.peft.config.SLICES).
 SLICES = {
@@ -235,7 +235,7 @@ def chunk_params(cfg: DictConfig, pp_rank: int, vp_stage: int) -> list[Param]:
     """Parameters of one model chunk (one GPTModel) of one rank, in registration order."""
     m, p = cfg.model, cfg.parallel
     tp, pp, vp = p.tp, p.pp, p.vp
-    split = split_layers(m.num_layers, pp, vp)
+    split = split_for(cfg)
     full = cfg.peft.name == "none"
     v = padded_vocab(m.vocab_size, tp) // tp * m.hidden_size
     first = pp_rank == 0 and vp_stage == 0
@@ -267,7 +267,7 @@ def chunk_runs(cfg: DictConfig, pp_rank: int, vp_stage: int) -> tuple[Run, ...]:
     """chunk_params as runs (in registration order): cheap to compute and to compare, so memory
     can reuse one chunk's bytes for every chunk made of the same runs (buffers.py)."""
     m, p = cfg.model, cfg.parallel
-    split = split_layers(m.num_layers, p.pp, p.vp)
+    split = split_for(cfg)
     keep = cfg.precision.first_last_bf16_layers
     kind = lambda i: (moe_layer(m, i), keep <= i < m.num_layers - keep)  # noqa: E731
     out: list[Run] = []

@@ -2,7 +2,8 @@
 
 Candidates respect what megatron and ftcore's validation accept: tp divides heads, kv groups and
 the ffn and stays inside one NVLink domain; the layers split over pp*vp (evenly or the megatron
-way); cp cuts the sequence into 2*cp chunks (each split over tp under sp) with each KV exchange TE
+way; where neither works, as uneven stages: the first stage's count by layers.first_stage_rule, the
+rest shared equally, e.g. 61 layers at pp=4 as 13+16+16+16); cp cuts the sequence into 2*cp chunks (each split over tp under sp) with each KV exchange TE
 accepts for the model's heads (cp.py, the rules validation applies; GPU only: the CPU runtime's
 CP attention is not searched); the global batch divides by micro batch x dp, and the interleaved
 schedule gets a multiple of pp micro-batches.
@@ -18,7 +19,7 @@ from ftcore.errors import FtcoreError
 from ftcore.planner import cp as cp_rules
 from ftcore.planner import ep as ep_rules
 from ftcore.planner import memory
-from ftcore.planner.layers import split_layers
+from ftcore.planner.layers import first_stage_rule, split_layers
 from ftcore.planner.memory import GiB, all_stages
 from ftcore.planner.params import is_moe
 from ftcore.planner.throughput import throughput
@@ -72,6 +73,21 @@ def _splits(num_layers: int, pp: int, vp: int) -> bool:
     return True
 
 
+STAGE_KEYS = ("pp_first_stage_layers", "pp_last_stage_layers")
+
+
+def _stages(cfg, pp: int, vp: int) -> dict | None:
+    """A layout's stage keys: none for megatron's own split, the first stage's count where that
+    has no split, None where neither works. A key the config set is reset (None), so that the
+    row's overrides clear it."""
+    n = cfg.model.num_layers
+    keys = {k: None for k in STAGE_KEYS if getattr(cfg.parallel, k, None) is not None}
+    if _splits(n, pp, vp):
+        return keys
+    first = first_stage_rule(n, pp, vp)
+    return None if first is None else {**keys, "pp_first_stage_layers": first}
+
+
 def layouts(cfg: DictConfig, world: int, *, vary_recompute: bool = True):
     """Every accepted (tp, pp, vp, cp, micro batch, recompute; ep and etp for a MoE model) for
     `world` GPUs."""
@@ -94,11 +110,12 @@ def layouts(cfg: DictConfig, world: int, *, vary_recompute: bool = True):
                         [v for v in (2, 4, 5, 8, 10, 20) if micro % pp == 0] if pp > 1 else []
                     )
                     for vp in vps:
-                        if not _splits(m.num_layers, pp, vp):
+                        stages = _stages(cfg, pp, vp)
+                        if stages is None:
                             continue
                         for rc in recomputes:
                             lay = dict(tp=tp, pp=pp, vp=vp, cp=cp, micro_batch_size=mbs,
-                                       recompute=rc)  # fmt: skip
+                                       recompute=rc, **stages)  # fmt: skip
                             if moe:
                                 lay.update(ep=ep, etp=etp)
                             yield dict(lay, cp_comm_type=comm) if comm else lay
@@ -115,6 +132,9 @@ def overrides(row: dict) -> str:
     comm = f" parallel.cp_comm_type={row['cp_comm_type']}" if "cp_comm_type" in row else ""
     if "ep" in row:
         comm += f" parallel.ep={row['ep']} parallel.etp={row['etp']}"
+    for k in STAGE_KEYS:
+        if k in row:
+            comm += f" parallel.{k}={'null' if row[k] is None else row[k]}"
     return (
         f"parallel.tp={row['tp']} parallel.pp={row['pp']} parallel.vp={row['vp']} "
         f"parallel.cp={row['cp']}{comm} parallel.sp={str(row['sp']).lower()} "

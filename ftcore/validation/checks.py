@@ -13,7 +13,7 @@ from ftcore.config.families import FAMILIES
 from ftcore.config.ranges import check_ranges
 from ftcore.errors import FtcoreError
 from ftcore.planner import cp
-from ftcore.planner.layers import split_layers
+from ftcore.planner.layers import split_for
 
 CHOICES = {
     "parallel.recompute": ("none", "selective", "full"),
@@ -125,7 +125,7 @@ def check_divisibility(cfg: DictConfig, world: int | None = None) -> None:
             field="parallel.sp",
             fix="set parallel.tp>1 or parallel.sp=false",
         )
-    split_layers(m.num_layers, p.pp, p.vp)
+    split_for(cfg)
     check_sequence(cfg)
     check_context_parallel(cfg)
     check_accuracy_decodes(cfg)

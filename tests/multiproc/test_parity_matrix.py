@@ -70,6 +70,9 @@ def train_case(argv: list[str], run_dir: str) -> dict:
         "overlap_p2p_comm": bool(config.overlap_p2p_comm),
         "recompute": config.recompute_granularity or "none",
         "experts": config.num_moe_experts or 0,
+        # the global numbers (1-based) of the layers each model chunk of this rank built
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "layers": [[x.layer_number for x in unwrap(m).decoder.layers] for m in state.model],
     }
 
 
@@ -140,6 +143,14 @@ def _asked(run: dict) -> dict:
     }  # fmt: skip
 
 
+# the layers each pipeline rank builds, by its chunks: 2uneven is 1 + 3 (every model has 4)
+STAGES = {
+    "1": {0: [[1, 2, 3, 4]]},
+    "2uneven": {0: [[1]], 1: [[2, 3, 4]]},
+    "2xvp2": {0: [[1], [3]], 1: [[2], [4]]},
+}
+
+
 def _weights(got: dict, ref: dict) -> None:
     assert got.keys() == ref.keys()
     for k, w in ref.items():
@@ -152,10 +163,12 @@ def _weights(got: dict, ref: dict) -> None:
 def test_run_matches_its_one_process_reference(run, request, paths, references, tmp_path):
     ref = references(matrix.reference_key(run))
     pool = request.getfixturevalue(f"pool{matrix.world(run)}")
-    flags = pool.run(train_case, matrix.command(run, paths), str(tmp_path / "run"))[0]
+    ranks = pool.run(train_case, matrix.command(run, paths), str(tmp_path / "run"))
+    flags = ranks[0]
     got = _read(tmp_path / "run", flags)
     asked = _asked(run)
     assert {k: flags[k] for k in asked} == asked, "the layout keys did not reach megatron"
+    assert {r["pp_rank"]: r["layers"] for r in ranks} == STAGES[run["pp"]], "the pipeline split"
     assert flags["experts"] == ref["flags"]["experts"] == EXPERTS[run["model"]]
     assert len(got["loss"]) == matrix.STEPS
     assert got["tokens"] == ref["tokens"], "the layout changed the documents a step trains on"

@@ -118,6 +118,19 @@ def test_reshard_continues(pool2, started, tmp_path, before, after):
     assert any("RNG states not restored" in n for n in got["notes"])
 
 
+UNEVEN = ["parallel.pp=2", "parallel.pp_first_stage_layers=1", "parallel.pp_last_stage_layers=3"]
+
+
+@pytest.mark.dist
+def test_resume_at_another_pipeline_split(pool2, started, tmp_path):
+    """Saved at pp=2 as 2 + 2 layers, resumed as 1 + 3 (uneven stages): megatron's checkpoint keys
+    each layer by its global number, so layer 1 moves from stage 0 to stage 1 with its weights
+    and Adam moments."""
+    ref, got = _run(pool2, started, tmp_path, ["parallel.pp=2"], UNEVEN)
+    _assert_continues(ref, got)
+    assert not any("optimizer state not restored" in n for n in got["notes"]), got["notes"]
+
+
 DIST_OPT = "parallel.distributed_optimizer=true"
 LORA = ["peft=lora", "peft.target_modules=[q_proj,v_proj,o_proj,down_proj]"]
 

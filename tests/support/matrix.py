@@ -88,7 +88,18 @@ FACTORS: dict[str, dict[str, tuple[str, ...]]] = {
         "full": ("parallel.recompute=full",),
     },
     "tp": {"1": (), "2": ("parallel.tp=2",), "2+sp": ("parallel.tp=2", "parallel.sp=true")},
-    "pp": {"1": (), "2": ("parallel.pp=2",), "2xvp2": ("parallel.pp=2", "parallel.vp=2")},
+    # pp=2 as uneven stages: one layer on the first, three on the last (every model has 4;
+    # DeepSeek's dense first layer alone on stage 0, its MoE layers 1-3 built from the global
+    # offset). The even pp=2 split is megatron's default path, which 2xvp2 takes (2+2 chunks)
+    "pp": {
+        "1": (),
+        "2uneven": (
+            "parallel.pp=2",
+            "parallel.pp_first_stage_layers=1",
+            "parallel.pp_last_stage_layers=3",
+        ),
+        "2xvp2": ("parallel.pp=2", "parallel.vp=2"),
+    },  # fmt: skip
     "cp": {"1": (), "2": ("parallel.cp=2",)},
     "ep": {"1": (), "2": ("parallel.ep=2",)},
     "dp": {"1": (), "2": ()},  # dp is what the world leaves (the pool's size)
@@ -137,12 +148,12 @@ SEEDS = (
     {"model": "dense", "objective": "sft", "peft": "qlora", "tp": "2", "cp": "1", "pp": "1"},
     # unpacked DPO at PP=2: two rows per pair through the pipeline
     {"model": "dense", "objective": "dpo", "loss": "sigmoid", "peft": "lora", "rows": "unpacked",
-     "pp": "2", "tp": "1"},
+     "pp": "2uneven", "tp": "1"},
     # LoRA on the experts at ep=2 x tp=2 (SP): the expert adapters' gradient norm
     {"model": "moe", "objective": "sft", "peft": "lora", "ep": "2", "tp": "2+sp", "pp": "1"},
     # DeepSeek-V3 (issue 53) at ep=2 x tp=2 and ep=2 x pp=2, the expert bias moving
     {"model": "deepseek", "peft": "none", "ep": "2", "tp": "2+sp", "pp": "1", "cp": "1"},
-    {"model": "deepseek", "peft": "lora", "ep": "2", "pp": "2", "tp": "1", "cp": "1"},
+    {"model": "deepseek", "peft": "lora", "ep": "2", "pp": "2uneven", "tp": "1", "cp": "1"},
 )  # fmt: skip
 
 
