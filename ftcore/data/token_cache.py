@@ -28,6 +28,7 @@ import numpy as np
 
 from ftcore.errors import FtcoreError
 from ftcore.runtime import safe_files
+from ftcore.runtime.run_lock import pid_alive
 
 ARRAYS = {"ids": np.int32, "targets": np.bool_, "offsets": np.int64, "learn": np.int32}
 SUFFIX = ".tok"
@@ -172,15 +173,5 @@ def _remove_dead_temporaries(final: Path) -> None:
     host = socket.gethostname()
     for tmp in final.parent.glob(f"{final.stem}.tmp-{host}-*"):
         pid = tmp.name[len(f"{final.stem}.tmp-{host}-") :].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -97,6 +97,12 @@ def host_origin(t: torch.Tensor) -> str | None:
 def _check(call: str, group, tensors) -> None:
     if _shadow_host is None and not _nccl_run():
         return  # a CPU run outside the audit: every tensor a host tensor, right for gloo
+    refuse_host_tensors(call, group, tensors)
+
+
+def refuse_host_tensors(call: str, group, tensors, site: str = "") -> None:
+    """Raise for a host tensor bound for a group that takes CUDA tensors only: this door's check,
+    and the device audit's for the collectives megatron calls itself (`site`: where it was sent)."""
     if takes_host(group):
         return
     for t in tensors:
@@ -104,9 +110,9 @@ def _check(call: str, group, tensors) -> None:
         if origin is not None:
             raise HostTensorInCollective(
                 f"{call} on a {gpu_backend(group)} group got a host tensor {tuple(t.shape)} "
-                f"{t.dtype} (made at {origin}): {gpu_backend(group)} takes CUDA tensors only. "
-                "Fix: make it on ftcore.runtime.dist.comm_device() (device=comm_device(), or "
-                ".to(comm_device())), or send it over one of megatron's *_gloo groups"
+                f"{t.dtype}{site} (made at {origin}): {gpu_backend(group)} takes CUDA tensors "
+                "only. Fix: make it on ftcore.runtime.dist.comm_device() (device=comm_device(), "
+                "or .to(comm_device())), or send it over one of megatron's *_gloo groups"
             )
 
 

@@ -254,15 +254,7 @@ def reset_copies() -> None:
 
 
 def _check(name: str, group, tensors) -> None:
-    if collectives.takes_host(group):
-        return
-    for t in tensors:
-        origin = host_origin(t) if isinstance(t, torch.Tensor) else None
-        if origin is not None:
-            raise HostTensorInCollective(
-                f"{name} on a {rdist.GPU_BACKEND} group got a host tensor {tuple(t.shape)} "
-                f"{t.dtype} at {_call_site()} (made at {origin}): on the GPU this collective fails"
-            )
+    collectives.refuse_host_tensors(name, group, tensors, site=f" at {_call_site()}")
 
 
 def _checked(name: str, fn):

@@ -172,12 +172,13 @@ def _describe(fd: int) -> str:
     workers = said.get("workers")
     if isinstance(workers, list) and workers:
         text += f", workers {', '.join(str(w) for w in workers)}"
-    if host == socket.gethostname() and not _alive(pid):
+    if host == socket.gethostname() and not pid_alive(pid):
         text += f"; pid {pid} is gone, its workers are still stopping"
     return text
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host has that id (one of another user's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
