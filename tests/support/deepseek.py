@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tests.support.hf_helpers import VOCAB
+from tests.support.hf_helpers import VOCAB, randomize, save_with_tokenizer
 
 FAMILIES = ("deepseek_v3", "glm4_moe")
 EXPERTS, TOPK = 8, 4
@@ -59,34 +59,17 @@ def tiny_config(family: str = "deepseek_v3", vocab: int = VOCAB, q_lora: bool = 
 def make_tiny(path: str | Path, family: str = "deepseek_v3", *, seed: int = 0, q_lora: bool = True,
               with_mtp: bool = False, max_shard_size: str = "150KB", **over) -> Path:  # fmt: skip
     """A random `family` model saved in shards (with an index) plus a Llama-3 base tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from ftcore.data.tokenizer import bundled_tokenizer_dir
-
-    path = Path(path)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, q_lora=q_lora, **over))
-    model = model.float().eval()
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.copy_(1.0 + 0.2 * torch.randn_like(p))
-        elif name.endswith(".bias"):
-            p.copy_(0.5 * torch.randn_like(p))
-        elif "embed_tokens" in name:
-            p.copy_(torch.randn_like(p))
-        elif name.endswith("gate.weight"):  # the router: clear top-k choices
-            p.copy_(2.0 * torch.randn_like(p) / p.shape[-1] ** 0.5)
-        else:
-            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    randomize(model)
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             b.copy_(0.1 * torch.randn_like(b))
-    model.save_pretrained(str(path), max_shard_size=max_shard_size)
+    path = save_with_tokenizer(model, path, max_shard_size)
     if with_mtp:
         add_mtp_layer(path, model.config)
-    tok = AutoTokenizer.from_pretrained(str(bundled_tokenizer_dir()))
-    tok.eos_token = "<|end_of_text|>"
-    tok.save_pretrained(str(path))
     return path
 
 

@@ -60,14 +60,21 @@ def make_tiny_hf(path: str | Path, *, tie: bool = False, seed: int = 0, max_shar
                  family: str = "llama", **over) -> Path:  # fmt: skip
     """Random model with O(1) activations (so a mapping error shows in the logits), saved in shards
     with an index, plus a Llama-3 base tokenizer (eos = <|end_of_text|>)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from ftcore.data.tokenizer import bundled_tokenizer_dir
-
-    path = Path(path)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(tie=tie, family=family, **over))
-    model = model.float().eval()
+    randomize(model)
+    return save_with_tokenizer(model, path, max_shard_size)
+
+
+@torch.no_grad()
+def randomize(model) -> None:
+    """Weights with O(1) activations, drawn in parameter order from torch's global generator (the
+    caller seeds it): norms near 1, biases and embeddings O(1), linears (2D and transformers' 3D
+    fused experts) scaled by their input width, a router wider still so its top-k choice is
+    not decided by rounding. The dense, MoE and DeepSeek-class tiny checkpoints all use it."""
+    model.float().eval()
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.copy_(1.0 + 0.2 * torch.randn_like(p))
@@ -75,8 +82,20 @@ def make_tiny_hf(path: str | Path, *, tie: bool = False, seed: int = 0, max_shar
             p.copy_(0.5 * torch.randn_like(p))
         elif "embed_tokens" in name:
             p.copy_(torch.randn_like(p))
+        elif name.endswith("gate.weight"):  # an MoE router: clear top-k choices
+            p.copy_(2.0 * torch.randn_like(p) / p.shape[-1] ** 0.5)
         else:
-            p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+
+
+def save_with_tokenizer(model, path: str | Path, max_shard_size: str = "150KB") -> Path:
+    """save_pretrained in shards (with an index), plus the bundled Llama-3 base tokenizer with
+    eos = <|end_of_text|>."""
+    from transformers import AutoTokenizer
+
+    from ftcore.data.tokenizer import bundled_tokenizer_dir
+
+    path = Path(path)
     model.save_pretrained(str(path), max_shard_size=max_shard_size)
     tok = AutoTokenizer.from_pretrained(str(bundled_tokenizer_dir()))
     tok.eos_token = "<|end_of_text|>"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.support.hf_helpers import VOCAB
+from tests.support.hf_helpers import VOCAB, randomize, save_with_tokenizer
 
 NUM_EXPERTS = 4
 TOPK = 2
@@ -45,24 +45,9 @@ def moe_config(family: str = "qwen3_moe", vocab: int = VOCAB, **over):
 def make_tiny_moe(path: str | Path, family: str = "qwen3_moe", *, seed: int = 0,
                   max_shard_size: str = "150KB", **over) -> Path:  # fmt: skip
     """A random `family` model saved in shards (with an index) plus a Llama-3 base tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from ftcore.data.tokenizer import bundled_tokenizer_dir
-
-    path = Path(path)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(moe_config(family, **over)).float().eval()
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.copy_(1.0 + 0.2 * torch.randn_like(p))
-        elif "embed_tokens" in name:
-            p.copy_(torch.randn_like(p))
-        elif name.endswith("gate.weight"):  # the router: clear top-k choices
-            p.copy_(2.0 * torch.randn_like(p) / p.shape[-1] ** 0.5)
-        else:
-            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
-    model.save_pretrained(str(path), max_shard_size=max_shard_size)
-    tok = AutoTokenizer.from_pretrained(str(bundled_tokenizer_dir()))
-    tok.eos_token = "<|end_of_text|>"
-    tok.save_pretrained(str(path))
-    return path
+    model = AutoModelForCausalLM.from_config(moe_config(family, **over))
+    randomize(model)
+    return save_with_tokenizer(model, path, max_shard_size)
